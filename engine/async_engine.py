@@ -1,0 +1,319 @@
+"""The engine behind a thread: feed it from any thread or event loop, read streams back.
+
+One engine thread owns the `LLMEngine` and every piece of mutable engine state. Callers
+talk to it only through queues: commands in (`add`, `abort`, `stop`), outputs out through
+one `RequestStream` per request. An asyncio caller's stream is fed with
+`loop.call_soon_threadsafe`, so the event loop never blocks on the engine.
+
+This is what turns twenty concurrent LangChain calls into one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine, PromptType, RequestGroup
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine was shut down (or its thread died) while the request was in flight."""
+
+
+class RequestError(RuntimeError):
+    """The engine failed this request (and only this one); the message says why."""
+
+
+class RequestStream:
+    """The outputs of one request, as a blocking iterator or an async iterator."""
+
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ):
+        self.request_id = request_id
+        self.finished = False
+        self._loop = loop
+        self._sync_queue: queue.Queue = sink if sink is not None else queue.Queue()
+        self._async_queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread only."""
+        if self._async_queue is not None and self._loop is not None:
+            # A closed caller loop raises RuntimeError: nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
+        else:
+            self._sync_queue.put(item)
+
+    def _check(self, item: RequestOutput | BaseException) -> RequestOutput:
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+            if item.error is not None:
+                raise RequestError(f"request {item.request_id} failed: {item.error}")
+        return item
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self._check(self._sync_queue.get())
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        assert self._async_queue is not None, "stream was created without an event loop"
+        while not self.finished:
+            yield self._check(await self._async_queue.get())
+
+    def result(self) -> RequestOutput:
+        """Block until the request ends; its final output."""
+        outputs = list(self)
+        assert outputs, "a stream always ends with a final output"
+        return outputs[-1]
+
+
+class AsyncEngine:
+    """Thread-safe front of one `LLMEngine`; construction loads the model (in the caller)."""
+
+    def __init__(self, config: EngineConfig | None = None, **engine_args: Any):
+        self.config = config if config is not None else EngineConfig.from_kwargs(**engine_args)
+        self.engine = LLMEngine(self.config)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- properties
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def counters(self):
+        return self.engine.counters
+
+    def add_stat_logger(self, stat_logger) -> None:
+        self._commands.put(("call", lambda: self.engine.stat_loggers.append(stat_logger)))
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> RequestStream:
+        """Submit a request from any thread. Bad input raises ValueError here, in the caller."""
+        group = self.engine.process_inputs(prompt, params, request_id, priority, cache_salt)
+        return self.submit(group, loop=loop, sink=sink)
+
+    def submit(
+        self,
+        group: RequestGroup,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> RequestStream:
+        """Submit a request already made by `engine.process_inputs` (validated, tokenized)."""
+        stream = RequestStream(group.request_id, loop=loop, sink=sink)
+        with self._lock:
+            if self._stopped:
+                raise EngineDeadError("the engine has been shut down")
+            if group.request_id in self._streams:
+                raise ValueError(f"request id {group.request_id!r} is already in flight")
+            self._streams[group.request_id] = stream
+        self._commands.put(("add", group))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End a request from any thread; its stream gets a final output (finish_reason 'abort')."""
+        self._commands.put(("abort", request_id))
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs on the running event loop; aborts it if abandoned."""
+        stream = self.add_request(
+            prompt, params, request_id, priority, cache_salt, loop=asyncio.get_running_loop()
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def generate_sync(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Stream a request's outputs on this thread; aborts it if the iterator is dropped."""
+        stream = self.add_request(prompt, params, request_id, priority, cache_salt)
+        try:
+            yield from stream
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def call(self, fn):
+        """Run fn() on the engine thread and return its result (for stats, cache resets)."""
+        done: queue.Queue = queue.Queue()
+        self._commands.put(("call", lambda: done.put(fn())))
+        return done.get()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.call(self.engine.reset_prefix_cache)
+
+    def num_free_blocks(self) -> int:
+        return self.call(lambda: self.engine.kv_manager.pool.num_free_blocks)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> AsyncEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block=idle):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as error:  # the thread must never die silently
+            logger.exception("engine thread died")
+            self._fail_all(EngineDeadError(f"engine thread died: {error}"))
+            raise
+        self._fail_all(EngineDeadError("the engine has been shut down"))
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            kind, payload = command
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(payload)
+            elif kind == "abort":
+                output = self.engine.abort_request(payload)
+                if output is not None:
+                    self._deliver(output)
+            elif kind == "call":
+                payload()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, group) -> None:
+        try:
+            self.engine.add_group(group)
+        except Exception as error:
+            stream = self._pop_stream(group.request_id)
+            if stream is not None:
+                stream.put(error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a broken invariant: fail what is in flight, keep serving
+            logger.exception("engine step raised; aborting every request in flight")
+            for request_id in list(self.engine.groups):
+                self.engine.abort_request(request_id)
+                stream = self._pop_stream(request_id)
+                if stream is not None:
+                    stream.put(RuntimeError(f"engine step failed: {error}"))
+            return
+        for output in outputs:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        if output.finished:
+            stream = self._pop_stream(output.request_id)
+        else:
+            with self._lock:
+                stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put(output)
+
+    def _pop_stream(self, request_id: str) -> RequestStream | None:
+        with self._lock:
+            return self._streams.pop(request_id, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.put(error)
+
+
+_shared: dict[tuple, AsyncEngine] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_engine(config: EngineConfig) -> AsyncEngine:
+    """One engine per distinct config in this process: every wrapper with the same settings
+    shares its weights, its batches and its prefix cache. Created on first use."""
+    key = config.cache_key()
+    with _shared_lock:
+        engine = _shared.get(key)
+        if engine is None or engine._stopped:
+            engine = AsyncEngine(config)
+            _shared[key] = engine
+        return engine
+
+
+def shutdown_shared_engines() -> None:
+    with _shared_lock:
+        engines = list(_shared.values())
+        _shared.clear()
+    for engine in engines:
+        engine.shutdown()

@@ -1,0 +1,90 @@
+"""Engine settings: one dataclass, checked once, named as vLLM names them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 1 << 30
+
+# Accepted for drop-in compatibility with vLLM/LangChain arguments, with no effect here.
+_ACCEPTED_AND_IGNORED = {"trust_remote_code", "enforce_eager", "disable_custom_all_reduce"}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that decides how an engine is built.
+
+    Two configs that compare equal build interchangeable engines; the integrations use
+    `cache_key()` to share one engine between every wrapper with the same settings.
+    """
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    quantization: str | None = None  # None | "awq"
+    max_model_len: int | None = None  # default: the model's context length (capped at 8192)
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # default: 1024 chunked, else max_model_len
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes of KV cache; CPU default 1 GiB
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides both budgets above (tests)
+    swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks; 0 = recompute
+    scheduling_policy: Any = "fcfs"  # "fcfs" | "priority" | a SchedulingPolicy instance
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    served_model_name: str | None = None
+    disable_log_stats: bool = False
+    log_stats_interval: float = 5.0
+    max_logprobs: int = 20
+    trust_remote_code: bool = False
+    enforce_eager: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.block_size <= 0 or self.block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.quantization not in (None, "awq"):
+            raise ValueError(f"quantization must be None or 'awq', got {self.quantization!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be auto, torch or triton")
+        if self.swap_space < 0:
+            raise ValueError("swap_space must be >= 0 GiB")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments; an unknown name is a ValueError that lists the known."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known - _ACCEPTED_AND_IGNORED)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in kwargs.items() if k in known})
+
+    def cache_key(self) -> tuple:
+        """A hashable identity: equal keys mean one engine can serve both."""
+        return tuple(
+            (f.name, repr(getattr(self, f.name)))
+            for f in dataclasses.fields(self)
+            if f.name not in ("disable_log_stats", "log_stats_interval")
+        )

@@ -1,0 +1,151 @@
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .async_engine import AsyncEngine, RequestStream
+from .config import EngineConfig
+from .llm_engine import PromptType
+from .outputs import RequestOutput
+from .sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Load a model once and generate for batches of prompts.
+
+    `LLM()` with no model runs the embedded SmolLM2-135M-Instruct. Every engine argument
+    of `EngineConfig` is accepted by name (`max_model_len`, `block_size`, `dtype`, ...);
+    an unknown name is a ValueError.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.engine = AsyncEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched by the engine; outputs in the prompts' order.
+
+        A prompt is a string, a list of token ids, or a dict with `prompt` or
+        `prompt_token_ids`. All prompts are validated before any is submitted.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        # Only final outputs are needed here: no per-step output objects.
+        params_list = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        groups = [
+            self.engine.engine.process_inputs(p, sp, priority=prio)
+            for p, sp, prio in zip(prompt_list, params_list, priorities)
+        ]
+        done: queue.Queue = queue.Queue()
+        streams: list[RequestStream] = []
+        try:
+            for group in groups:
+                streams.append(self.engine.submit(group, sink=done))
+            results: dict[str, RequestOutput] = {}
+            with tqdm(
+                total=len(streams), desc="generate", disable=not use_tqdm, unit="req"
+            ) as progress:
+                while len(results) < len(streams):
+                    item = done.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finished:
+                        results[item.request_id] = item
+                        progress.update(1)
+        except BaseException:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise
+        ordered = [results[s.request_id] for s in streams]
+        for output, group in zip(ordered, groups):
+            output.prompt = group.prompt
+            if output.error is not None:
+                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+        return ordered
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the chat template."""
+        if not messages:
+            raise ValueError("messages is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            if not conversation:
+                raise ValueError("a conversation is empty")
+            kwargs = dict(chat_template_kwargs or {})
+            if tools:
+                kwargs["tools"] = tools
+            prompts.append(
+                self.engine.engine.apply_chat_template(
+                    list(conversation), add_generation_prompt=add_generation_prompt, **kwargs
+                )
+            )
+        # The template already holds any BOS token: don't let the tokenizer add another.
+        tokenizer = self.engine.tokenizer
+        token_prompts: list[PromptType] = [
+            {"prompt_token_ids": tokenizer(p, add_special_tokens=False).input_ids} for p in prompts
+        ]
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            output.prompt = prompt
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list | tuple):
+        if not prompts:
+            raise ValueError("no prompts given")
+        if all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # type: ignore[arg-type]
+        return list(prompts)
+    raise ValueError(
+        f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}"
+    )

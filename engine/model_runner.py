@@ -1,0 +1,147 @@
+"""Turns a scheduler step into one flat forward pass over the paged KV cache.
+
+For scheduled requests r0 (3 new tokens from position 16), r1 (decode at position 7) and
+r2 (1 new token at position 0), with block_size 16:
+
+    input_ids     [t16 t17 t18 | t7 | t0]              T = 5
+    positions     [16  17  18  | 7  | 0 ]
+    cu_seqlens_q  [0, 3, 4, 5]
+    seq_lens      [19, 8, 1]
+    slot_mapping  [b0[1]*16+0, b0[1]*16+1, b0[1]*16+2, b1[0]*16+7, b2[0]*16+0]
+    block_tables  [[b0[0], b0[1]], [b1[0], pad], [b2[0], pad]]
+
+Only the last token of a sequence whose known tokens are now all computed gets logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .attention_metadata import AttentionMetadata
+from .models.llama import LlamaForCausalLM
+from .scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        attention_backend: str = "auto",
+        num_swap_blocks: int = 0,
+    ):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.backend = attention_backend
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One (key, value) pair of [num_blocks, block_size, Hkv, D] tensors per layer.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=model.dtype, device=device),
+                torch.zeros(shape, dtype=model.dtype, device=device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        host_shape = (num_swap_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self.swap_space = [
+            (
+                torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin),
+                torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin),
+            )
+            for _ in range(cfg.num_layers if num_swap_blocks else 0)
+        ]
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(
+        self, out: SchedulerOutput, block_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+        """Flat inputs for a step. block_ids[i] are the blocks of out.scheduled[i].
+
+        Returns input_ids [T], positions [T], metadata, logits_indices [N] and the indexes
+        (into out.scheduled) of the N requests that get a sampled token.
+        """
+        bs = self.block_size
+        scheduled = out.scheduled
+        num_tokens = out.num_batched_tokens
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slot_mapping = np.empty(num_tokens, dtype=np.int64)
+        cu_seqlens = np.zeros(len(scheduled) + 1, dtype=np.int32)
+        seq_lens = np.empty(len(scheduled), dtype=np.int32)
+        max_blocks = max(len(b) for b in block_ids)
+        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        sampled_rows: list[int] = []
+        offset = 0
+        for i, (item, blocks) in enumerate(zip(scheduled, block_ids)):
+            start, n = item.start, item.num_tokens
+            end = offset + n
+            input_ids[offset:end] = item.request.all_token_ids[start : start + n]
+            pos = np.arange(start, start + n)
+            positions[offset:end] = pos
+            table = np.asarray(blocks, dtype=np.int64)
+            block_tables[i, : len(blocks)] = table
+            slot_mapping[offset:end] = table[pos // bs] * bs + pos % bs
+            seq_lens[i] = start + n
+            cu_seqlens[i + 1] = end
+            if item.completes_prompt:
+                sampled_rows.append(i)
+            offset = end
+        to = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(to),
+            cu_seqlens_q=torch.from_numpy(cu_seqlens).to(to),
+            seq_lens=torch.from_numpy(seq_lens).to(to),
+            block_tables=torch.from_numpy(block_tables).to(to),
+            max_seqlen_q=max(item.num_tokens for item in scheduled),
+            max_seqlen_k=int(seq_lens.max()),
+            backend=self.backend,
+        )
+        logits_indices = torch.from_numpy(cu_seqlens[1:][sampled_rows] - 1).long().to(to)
+        return (
+            torch.from_numpy(input_ids).to(to),
+            torch.from_numpy(positions).to(to),
+            meta,
+            logits_indices,
+            sampled_rows,
+        )
+
+    # ----------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, block_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; returns logits [N, vocab] (float32) and the rows they belong to."""
+        self._swap(out)
+        input_ids, positions, meta, logits_indices, sampled_rows = self.prepare(out, block_ids)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        return logits, sampled_rows
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """Copy preempted requests' blocks to host memory, and resumed ones back."""
+        for block_ids, slots in out.swap_out:
+            device_idx = torch.tensor(block_ids, device=self.device)
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.swap_space):
+                hk[slots] = k[device_idx].to("cpu")
+                hv[slots] = v[device_idx].to("cpu")
+        for block_ids, slots in out.swap_in:
+            device_idx = torch.tensor(block_ids, device=self.device)
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.swap_space):
+                k[device_idx] = hk[slots].to(self.device)
+                v[device_idx] = hv[slots].to(self.device)

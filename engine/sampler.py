@@ -1,0 +1,160 @@
+"""Batched sampling: one [N, vocab] tensor of logits in, one token per row out.
+
+Order of processing (as vLLM): logit bias, min_tokens and grammar masks -> penalties ->
+(greedy rows take the argmax here) -> temperature -> min_p -> top_k / top_p -> a draw by
+the exponential-race (Gumbel-max) trick, argmax(p / E) with E ~ Exp(1), which samples
+from p and lets each seeded row draw its own noise from its own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (sampled token logprob, its rank, top-k ids, top-k logprobs), or None.
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits [N, V] float32 (one row per request), may be modified in place."""
+        num_rows = logits.shape[0]
+        params = [r.sampling_params for r in requests]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        self._apply_masks(logits, requests)
+        self._apply_penalties(logits, requests)
+
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        sampled = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            random_rows = (~greedy).nonzero().flatten().tolist()
+            sub = logits[random_rows]
+            sub_requests = [requests[i] for i in random_rows]
+            sampled[random_rows] = self._sample(sub, sub_requests)
+
+        token_ids = sampled.tolist()
+        logprobs: list = [None] * num_rows
+        if raw_logprobs is not None:
+            for row, request in enumerate(requests):
+                k = request.sampling_params.logprobs
+                if k is None:
+                    continue
+                row_lp = raw_logprobs[row]
+                chosen = row_lp[token_ids[row]]
+                rank = int((row_lp > chosen).sum().item()) + 1
+                top = torch.topk(row_lp, k) if k > 0 else None
+                logprobs[row] = (
+                    float(chosen),
+                    rank,
+                    top.indices.tolist() if top is not None else [],
+                    top.values.tolist() if top is not None else [],
+                )
+        return SamplerOutput(token_ids, logprobs)
+
+    # ------------------------------------------------------------------ masks
+    def _apply_masks(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        for row, request in enumerate(requests):
+            params = request.sampling_params
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), device=logits.device)
+                bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+                valid = (ids >= 0) & (ids < logits.shape[1])
+                logits[row, ids[valid]] += bias[valid].to(logits.dtype)
+            if request.num_output_tokens < params.min_tokens:
+                banned = list(params.stop_token_ids or [])
+                if not params.ignore_eos:
+                    banned += list(params._eos_token_ids)
+                if banned:
+                    logits[row, banned] = float("-inf")
+            if request.structured is not None:
+                request.structured.mask_logits(logits[row])
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        rows = [
+            i
+            for i, r in enumerate(requests)
+            if r.sampling_params.repetition_penalty != 1.0
+            or r.sampling_params.presence_penalty
+            or r.sampling_params.frequency_penalty
+        ]
+        if not rows:
+            return
+        device, vocab = logits.device, logits.shape[1]
+        counts = torch.zeros(len(rows), vocab, device=device)
+        seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+        for j, i in enumerate(rows):
+            request = requests[i]
+            out = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+            out = out[out < vocab]
+            counts[j].index_add_(0, out, torch.ones(out.shape[0], device=device))
+            prompt = torch.tensor(request.prompt_token_ids, dtype=torch.long, device=device)
+            seen[j, prompt[prompt < vocab]] = True
+        seen |= counts > 0
+        params = [requests[i].sampling_params for i in rows]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        sub = logits[rows]
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        logits[rows] = sub
+
+    # --------------------------------------------------------------- sampling
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+        logits = logits / temperature
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = torch.tensor(
+            [p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=device
+        )
+        probs = torch.softmax(logits, dim=-1)
+        if bool((min_p > 0).any()):
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        if bool((top_p < 1.0).any()) or bool((top_k < logits.shape[1]).any()):
+            probs = _top_k_top_p(probs, top_k, top_p)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=device
+            ).exponential_(generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities outside each row's top-k and its top-p nucleus."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    keep = rank < top_k[:, None]
+    # Renormalise within top-k before the nucleus cut, as applying them in sequence does.
+    sorted_probs = sorted_probs * keep
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep &= mass_before < top_p[:, None]
+    keep[:, 0] = True  # never drop the most likely token
+    filtered = torch.zeros_like(probs)
+    filtered.scatter_(1, order, sorted_probs * keep)
+    return filtered

@@ -1,0 +1,281 @@
+"""Continuous batching: which tokens of which requests run in the next forward pass.
+
+There is no prefill phase and no decode phase. Each step has one token budget
+(`max_num_batched_tokens`); running requests are served first, in policy order, each
+getting the tokens it still needs (one for a decoding request, a chunk of its prompt for
+a prefilling one); then waiting requests are admitted while budget, `max_num_seqs` and
+free blocks allow. When blocks run out the lowest-ranked running request is preempted
+(recomputed later, or swapped to host memory when `swap_space` allows).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager, cdiv
+from .request import Request, RequestStatus
+
+
+class SchedulingPolicy:
+    """Order of service: lower `sort_key` runs first and is preempted last.
+
+    Subclass and override `sort_key` for your own order (e.g. by tenant or deadline).
+    """
+
+    name = "fcfs"
+
+    def sort_key(self, request: Request) -> tuple:
+        return (request.arrival_time, request.arrival_seq)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Lower `priority` value first (as in vLLM), then first come first served."""
+
+    name = "priority"
+
+    def sort_key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time, request.arrival_seq)
+
+
+def make_policy(policy: str | SchedulingPolicy) -> SchedulingPolicy:
+    if isinstance(policy, SchedulingPolicy):
+        return policy
+    if policy == "fcfs":
+        return SchedulingPolicy()
+    if policy == "priority":
+        return PriorityPolicy()
+    raise ValueError(
+        f"scheduling_policy must be 'fcfs', 'priority' or a SchedulingPolicy, got {policy!r}"
+    )
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed for it in this step
+    start: int  # its num_computed_tokens before this step (position of the first one)
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this step computes its last known token, so a new token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+    # (block ids on device, slots in the host swap space) to copy before the forward pass.
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: str | SchedulingPolicy = "fcfs",
+        num_swap_blocks: int = 0,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = make_policy(policy)
+        self.waiting: list[Request] = []  # kept sorted by policy key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Host swap space: free slot ids, and the slots each swapped-out request holds.
+        self.free_swap_slots = list(range(num_swap_blocks))
+        self.swapped: dict[str, list[int]] = {}
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue_waiting(request)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        keys = [self.policy.sort_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self.policy.sort_key(request)), request)
+
+    def finish_request(
+        self, request: Request, status: RequestStatus, uncache: bool = False
+    ) -> None:
+        """End a request (stop, length, abort or error) and free everything it holds."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request, uncache=uncache)
+        self.free_swap_slots.extend(self.swapped.pop(request.request_id, []))
+        self.requests.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=self.policy.sort_key)
+
+        # 1. Running requests, best-ranked first. Those not reached yet are the ones that
+        #    get preempted when blocks run out, so the policy order is respected.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, request
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(
+                    ScheduledRequest(request, num_new, request.num_computed_tokens)
+                )
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nobody behind it can run either
+
+        # 2. Waiting requests, while nothing had to be preempted this step.
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = now
+        self._check_invariants(out)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            swap_slots = self.swapped.get(request.request_id)
+            if swap_slots is not None:  # its computed KV waits in host memory
+                hits, num_computed = [], request.num_computed_tokens
+            else:
+                hits, num_computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if swap_slots is not None:
+                request.num_computed_tokens = 0  # allocate blocks for the swapped tokens too
+                ok = self.kv.allocate_slots(request, num_computed + num_new)
+                request.num_computed_tokens = num_computed
+            else:
+                ok = self.kv.allocate_slots(request, num_new, hits)
+            if not ok:
+                break
+            self.waiting.pop(0)
+            if swap_slots is not None:
+                block_ids = self.kv.get_block_ids(request.request_id)[: len(swap_slots)]
+                out.swap_in.append((block_ids, swap_slots))
+                self.free_swap_slots.extend(self.swapped.pop(request.request_id))
+            else:
+                self.kv.record_prefix_lookup(request.num_tokens, num_computed)
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        # Its blocks hold exactly its computed tokens: it is not scheduled in this step.
+        block_ids = self.kv.get_block_ids(request.request_id)
+        if block_ids and len(self.free_swap_slots) >= len(block_ids):
+            slots = [self.free_swap_slots.pop() for _ in block_ids]
+            self.swapped[request.request_id] = slots
+            out.swap_out.append((block_ids, slots))
+        else:
+            request.num_computed_tokens = 0  # recompute from scratch (prefix cache may help)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        self._enqueue_waiting(request)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: Iterable[int | None]
+    ) -> list[Request]:
+        """Advance computed counts and append sampled tokens; returns requests that got one."""
+        got_token = []
+        for item, token_id in zip(out.scheduled, sampled_token_ids):
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_tokens
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            got_token.append(request)
+        return got_token
+
+    def check_stop(self, request: Request) -> RequestStatus | None:
+        """Stop conditions that need only token ids (stop strings are the detokenizer's)."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in params._eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------- invariants
+    def _check_invariants(self, out: SchedulerOutput) -> None:
+        total = sum(item.num_tokens for item in out.scheduled)
+        assert total == out.num_batched_tokens <= self.max_num_batched_tokens, total
+        assert len(self.running) <= self.max_num_seqs, len(self.running)
+        seen = set()
+        for item in out.scheduled:
+            request = item.request
+            assert request.request_id not in seen, f"{request} scheduled twice"
+            seen.add(request.request_id)
+            assert request.status == RequestStatus.RUNNING, request
+            assert item.num_tokens > 0
+            assert item.start + item.num_tokens <= request.num_tokens, request
+            blocks = self.kv.num_blocks_of(request.request_id)
+            assert blocks >= cdiv(item.start + item.num_tokens, self.kv.block_size), request
+        for request in self.waiting:
+            assert not request.is_finished, request

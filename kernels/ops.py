@@ -1,0 +1,70 @@
+"""Dispatch: CUDA tensors go to the Triton kernels, CPU tensors to the torch references.
+
+`backend="triton"` forces Triton on any device; with TRITON_INTERPRET=1 set before
+triton is imported, that runs the kernels on CPU through Triton's interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"attention backend must be auto, torch or triton, got {backend!r}")
+    return backend
+
+
+def reshape_and_cache(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    backend: str = "auto",
+) -> None:
+    if resolve_backend(backend, k.device) == "triton":
+        from .reshape_and_cache_triton import reshape_and_cache_triton
+
+        reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    out: torch.Tensor,  # [T, Hq, D], written
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    sliding_window: int | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    if resolve_backend(backend, q.device) == "triton":
+        from .paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            cu_seqlens_q,
+            seq_lens,
+            block_tables,
+            scale,
+            sliding_window=sliding_window,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+        )
+    return reference.paged_attention(
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window
+    )

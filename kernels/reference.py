@@ -1,0 +1,155 @@
+"""Torch references of the attention kernels: what runs on CPU, and what tests compare to.
+
+Shapes (T = tokens in the step, B = sequences, Hq/Hkv = query/KV heads, D = head dim):
+
+    q             [T, Hq, D]          queries of every scheduled token, sequences back to back
+    k, v          [T, Hkv, D]         new keys/values of those tokens
+    k_cache       [num_blocks, block_size, Hkv, D]
+    v_cache       [num_blocks, block_size, Hkv, D]
+    slot_mapping  [T] int64           flat slot (block_id * block_size + offset) of each token; -1 = skip
+    cu_seqlens_q  [B + 1] int32       sequence i owns q rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
+    seq_lens      [B] int32           tokens of sequence i in the cache, its new ones included
+    block_tables  [B, max_blocks] int32  block ids of sequence i, in order (padding unused)
+
+Sequence i, with query_len = cu_seqlens_q[i+1] - cu_seqlens_q[i] and
+context_len = seq_lens[i] - query_len (tokens already cached before this step):
+
+    keys:    | 0 ........ context_len-1 | context_len ..... seq_len-1 |
+    queries:                            | q_0 ............ q_{query_len-1} |
+    query j sits at position context_len + j and sees keys 0 .. context_len + j
+    (and, with a sliding window W, only the last W of them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding, not written
+) -> None:
+    num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat_k = k_cache.view(-1, num_heads, head_dim)
+    flat_v = v_cache.view(-1, num_heads, head_dim)
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    else:
+        slots = slot_mapping[valid]
+        flat_k.index_copy_(0, slots, k[valid].to(k_cache.dtype))
+        flat_v.index_copy_(0, slots, v[valid].to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [num_used_blocks] or [B, num_used_blocks]
+) -> torch.Tensor:
+    """The cache rows of one (or B) sequences in order: [..., num_used_blocks * block_size, Hkv, D]."""
+    gathered = cache[block_table.long()]
+    return gathered.flatten(-4, -3) if gathered.dim() == 5 else gathered.flatten(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    out: torch.Tensor,  # [T, Hq, D], written
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged keys and values.
+
+    Decode rows (query_len 1) are batched into one padded attention call; each prefill
+    (query_len > 1) is one causal attention call over its gathered context.
+    """
+    block_size = k_cache.shape[1]
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    query_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode:
+        _decode_attention(
+            q, k_cache, v_cache, out, cu, lens, block_tables, decode, scale, sliding_window
+        )
+    for i, query_len in enumerate(query_lens):
+        if query_len <= 1:
+            continue
+        seq_len = lens[i]
+        num_blocks = -(seq_len // -block_size)
+        k = gather_kv(k_cache, block_tables[i, :num_blocks])[:seq_len]  # [L, Hkv, D]
+        v = gather_kv(v_cache, block_tables[i, :num_blocks])[:seq_len]
+        qi = q[cu[i] : cu[i + 1]]  # [query_len, Hq, D]
+        mask = _causal_mask(query_len, seq_len, sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            qi.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, Hq, query_len, D]
+        out[cu[i] : cu[i + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+def _causal_mask(
+    query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[query_len, seq_len] bool, True where query j may attend key p."""
+    context_len = seq_len - query_len
+    query_pos = torch.arange(context_len, seq_len, device=device)[:, None]
+    key_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu: list[int],
+    lens: list[int],
+    block_tables: torch.Tensor,
+    rows: list[int],
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """All query_len == 1 sequences at once, padded to the longest: [Bd, Hkv, group, D] x [Bd, Hkv, L, D]."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_q_heads = q.shape[1]
+    group = num_q_heads // num_kv_heads
+    device = q.device
+    rows_t = torch.tensor(rows, device=device)
+    q_rows = q[torch.tensor([cu[i] for i in rows], device=device)]  # [Bd, Hq, D]
+    seq_lens = torch.tensor([lens[i] for i in rows], device=device)
+    max_len = max(lens[i] for i in rows)
+    num_blocks = -(max_len // -block_size)
+    tables = block_tables[rows_t, :num_blocks]  # [Bd, nb]
+    k = gather_kv(k_cache, tables)  # [Bd, nb*bs, Hkv, D]
+    v = gather_kv(v_cache, tables)
+    compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    qg = q_rows.view(len(rows), num_kv_heads, group, head_dim).to(compute_dtype)
+    kt = k.permute(0, 2, 3, 1).to(compute_dtype)  # [Bd, Hkv, D, L]
+    scores = torch.matmul(qg, kt) * scale  # [Bd, Hkv, group, L]
+    key_pos = torch.arange(k.shape[1], device=device)[None, :]
+    valid = key_pos < seq_lens[:, None]
+    if sliding_window is not None:
+        valid &= key_pos >= (seq_lens[:, None] - sliding_window)
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v.permute(0, 2, 1, 3).to(compute_dtype))  # [Bd, Hkv, group, D]
+    out[torch.tensor([cu[i] for i in rows], device=device)] = o.reshape(
+        len(rows), num_q_heads, head_dim
+    ).to(out.dtype)

@@ -1,0 +1,30 @@
+"""pagedllm: a paged, continuously batched LLM engine inside your Python process.
+
+    from pagedllm_integrations import LLM, SamplingParams
+    llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    print(llm.generate("The capital of France is", SamplingParams(temperature=0))[0].outputs[0].text)
+
+LangChain: `pagedllm_integrations.langchain` (PagedLLM, ChatPagedLLM).
+LlamaIndex: `pagedllm_integrations.llama_index` (PagedLlamaIndexLLM).
+"""
+
+from .engine.async_engine import AsyncEngine, RequestStream, shared_engine
+from .engine.config import EngineConfig
+from .engine.llm import LLM
+from .engine.outputs import CompletionOutput, Logprob, RequestOutput
+from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestStream",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "shared_engine",
+]
+__version__ = "0.1.0"
