@@ -1,0 +1,47 @@
+"""`pagedllm serve | generate | chat | bench | quantize | top`.
+
+Each subcommand lives with the code it drives and is imported only when used, so
+`pagedllm generate` never imports the web server and `pagedllm serve` never imports the
+quantizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module relative to this package, help). Each module defines
+# `add_arguments(parser)` and `run(args) -> int`.
+SUBCOMMANDS = {
+    "generate": ("cli_generate", "generate a completion for a prompt"),
+    "chat": ("cli_generate", "chat with a model in the terminal"),
+    "serve": ("server.cli", "run the OpenAI-compatible HTTP server"),
+    "top": ("server.top", "live view of a running server's /metrics"),
+    "bench": ("engine.bench", "throughput benchmark against transformers"),
+    "quantize": ("quant.cli", "quantize a model to AWQ INT4"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text)
+        if name == chosen:  # only the chosen subcommand's module is imported
+            module = importlib.import_module(f".{module_name}", __package__)
+            module.add_arguments(sub_parser, name)
+            sub_parser.set_defaults(_module=module)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

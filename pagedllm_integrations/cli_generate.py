@@ -1,0 +1,102 @@
+"""`pagedllm generate` and `pagedllm chat`: the engine from the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that loads a model (named as vLLM names them)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, HF folder or HF id (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--quantization", default=None, choices=[None, "awq"])
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--device", default="auto")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        quantization=args.quantization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        device=args.device,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    add_engine_arguments(parser)
+    if command == "generate":
+        parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .engine.async_engine import AsyncEngine
+    from .engine.sampling_params import RequestOutputKind, SamplingParams
+
+    engine = AsyncEngine(**engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    try:
+        if args.command == "generate":
+            _stream(engine, args.prompt, params)
+            return 0
+        history: list[dict] = []
+        print("chat with the model; an empty line ends it", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            prompt = engine.engine.apply_chat_template(history)
+            ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
+            reply = _stream(engine, {"prompt_token_ids": ids}, params)
+            history.append({"role": "assistant", "content": reply})
+        return 0
+    finally:
+        engine.shutdown()
+
+
+def _stream(engine, prompt, params) -> str:
+    text = []
+    for output in engine.generate_sync(prompt, params):
+        piece = output.outputs[0].text
+        text.append(piece)
+        print(piece, end="", flush=True)
+    print()
+    return "".join(text)
