@@ -1,0 +1,123 @@
+"""The FastAPI app: OpenAI's routes over one `AsyncEngine`, plus /health and /metrics.
+
+from pagedllm_integrations.server.app import create_app
+app = create_app(engine, served_model_name="smol", api_key=None)
+uvicorn.run(app, host="127.0.0.1", port=8000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..engine.async_engine import AsyncEngine
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, install_error_handlers
+from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from .metrics import PrometheusStatLogger
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .serving import ServerState
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE_LEN = 512
+_STATS_TIMEOUT_S = 5.0
+
+
+def engine_alive(engine: AsyncEngine) -> bool:
+    thread = getattr(engine, "_thread", None)
+    return bool(thread is not None and thread.is_alive() and not getattr(engine, "_stopped", False))
+
+
+def create_app(
+    engine: AsyncEngine,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """An OpenAI-compatible app serving `engine`.
+
+    served_model_name: the name clients pass as `model` (default: the engine's model name).
+    api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+    max_queue_len: sequences (running + waiting) admitted at once; past it a request gets 503.
+    max_body_bytes: larger request bodies get 413.
+    """
+    if max_queue_len is not None and max_queue_len < 1:
+        raise ValueError(f"max_queue_len must be >= 1 (or None for no limit), got {max_queue_len}")
+    model_name = served_model_name or engine.model_name
+    metrics = PrometheusStatLogger(model_name)
+    engine.add_stat_logger(metrics)
+    state = ServerState(engine, model_name, metrics, max_queue_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        for task in list(state.background):
+            task.cancel()
+        if engine_alive(engine):  # stop feeding this app's registry
+            await asyncio.to_thread(engine.call, lambda: _remove(engine, metrics))
+
+    app = FastAPI(
+        title="pagedllm", summary="OpenAI-compatible API over pagedllm", lifespan=lifespan
+    )
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, body, request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "pagedllm",
+            "root": engine.model_name,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine_alive(engine):
+            raise APIError(503, "the engine is not running")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        # The engine reports at every step; after the last step an abort can still change
+        # the gauges, so take a fresh snapshot from the engine thread.
+        if engine_alive(engine):
+            try:
+                stats = await asyncio.wait_for(
+                    asyncio.to_thread(engine.call, engine.engine.scheduler_stats),
+                    _STATS_TIMEOUT_S,
+                )
+                metrics.update_scheduler(stats)
+            except TimeoutError:
+                logger.warning("engine did not answer a stats request in %.0fs", _STATS_TIMEOUT_S)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _remove(engine: AsyncEngine, stat_logger: object) -> None:
+    """Engine thread only."""
+    if stat_logger in engine.engine.stat_loggers:
+        engine.engine.stat_loggers.remove(stat_logger)

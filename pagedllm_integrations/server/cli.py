@@ -1,0 +1,85 @@
+"""`pagedllm serve`: the OpenAI-compatible server from the command line.
+
+pagedllm serve --model path/or/gguf --port 8000 --api-key secret
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..cli_generate import add_engine_arguments, engine_kwargs
+from .app import DEFAULT_MAX_QUEUE_LEN
+from .guard import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients pass as `model`"
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
+    )
+    parser.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=DEFAULT_MAX_QUEUE_LEN,
+        help="sequences running + waiting before new requests get 503 "
+        f"(default {DEFAULT_MAX_QUEUE_LEN})",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413",
+    )
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic status line (the engine logs one every 5 s while busy)",
+    )
+    parser.add_argument("--uvicorn-log-level", default="warning")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..engine.async_engine import AsyncEngine
+    from ..engine.config import EngineConfig
+    from .app import create_app
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning(
+            "binding %s without --api-key: anyone who can reach it can use it", args.host
+        )
+    try:
+        config = EngineConfig.from_kwargs(
+            **engine_kwargs(args),
+            served_model_name=args.served_model_name,
+            disable_log_stats=args.disable_log_stats,
+        )
+        engine = AsyncEngine(config)
+    except ValueError as error:
+        print(f"pagedllm serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(
+            engine,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            max_queue_len=args.max_queue_len,
+            max_body_bytes=args.max_body_bytes,
+        )
+        logger.info("serving %s on http://%s:%d/v1", engine.model_name, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,188 @@
+"""POST /v1/completions: one engine request per prompt, `n` completions each."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine.llm_engine import PromptType
+from .errors import APIError, sse_error
+from .protocol import MAX_PROMPTS, CompletionRequest
+from .sampling import build_sampling_params, completion_logprobs, usage
+from .serving import (
+    SSE_DONE,
+    ClientGone,
+    EngineCall,
+    ServerState,
+    finals_unless_disconnected,
+    new_id,
+    sse,
+)
+
+
+def _prompts(prompt: str | list) -> list[PromptType]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # one prompt given as token ids
+    if not prompt:
+        raise APIError(400, "the prompt is empty: give at least one token", param="prompt")
+    return list(prompt)  # several prompts, each text or token ids
+
+
+async def create_completion(
+    state: ServerState, body: CompletionRequest, request: Request
+) -> Response:
+    state.check_model(body.model)
+    if body.suffix:
+        raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported",
+                       param="echo")  # fmt: skip
+    prompts = _prompts(body.prompt)
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
+                       param="prompt")  # fmt: skip
+    params = build_sampling_params(
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        vocab_size=state.engine.engine.vocab_size,
+        stream=body.stream,
+    )
+    response_id = new_id("cmpl")
+    call = await state.start(prompts, params, response_id)
+    echoes = [_echo_text(state, p) if body.echo else "" for p in prompts]
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, body, call, response_id, echoes), media_type="text/event-stream"
+        )
+    try:
+        finals = await finals_unless_disconnected(request, call)
+    except ClientGone:
+        return Response(status_code=499)
+    choices = []
+    completion_tokens = 0
+    for prompt_index, final in enumerate(finals):
+        for output in sorted(final.outputs, key=lambda o: o.index):
+            completion_tokens += len(output.token_ids)
+            choices.append(
+                {
+                    "index": prompt_index * body.n + output.index,
+                    "text": echoes[prompt_index] + output.text,
+                    "logprobs": _logprobs(body, output.token_ids, output.logprobs, 0),
+                    "finish_reason": output.finish_reason,
+                    "stop_reason": output.stop_reason,
+                }
+            )
+    return JSONResponse(
+        {
+            "id": response_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": choices,
+            "usage": usage(
+                sum(len(f.prompt_token_ids) for f in finals),
+                completion_tokens,
+                sum(f.num_cached_tokens for f in finals),
+            ),
+            "system_fingerprint": None,
+        }
+    )
+
+
+def _echo_text(state: ServerState, prompt: PromptType) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return state.engine.tokenizer.decode(prompt)
+
+
+def _logprobs(body: CompletionRequest, token_ids, entries, offset: int) -> dict[str, Any] | None:
+    if body.logprobs is None or entries is None:
+        return None
+    return completion_logprobs(list(token_ids), list(entries), body.logprobs, offset)
+
+
+async def _stream(
+    state: ServerState,
+    body: CompletionRequest,
+    call: EngineCall,
+    response_id: str,
+    echoes: list[str],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    options = body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = include_usage and options is not None and options.continuous_usage_stats
+    num_prompts = len(echoes)
+    prompt_tokens = [0] * num_prompts
+    cached = [0] * num_prompts
+    generated = [[0] * body.n for _ in range(num_prompts)]
+    text_offsets = [[len(echo)] * body.n for echo in echoes]
+    echoed: set[tuple[int, int]] = set()
+    ended: set[tuple[int, int]] = set()
+    try:
+        async for prompt_index, out in call:
+            prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+            cached[prompt_index] = out.num_cached_tokens
+            for output in out.outputs:
+                key = (prompt_index, output.index)
+                generated[prompt_index][output.index] += len(output.token_ids)
+                if key in ended:
+                    continue
+                text = output.text
+                if echoes[prompt_index] and key not in echoed:
+                    echoed.add(key)
+                    text = echoes[prompt_index] + text
+                if output.finish_reason is not None:
+                    ended.add(key)
+                elif not text and not output.token_ids:
+                    continue
+                offset = text_offsets[prompt_index][output.index]
+                text_offsets[prompt_index][output.index] += len(output.text)
+                chunk: dict[str, Any] = {
+                    "id": response_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [
+                        {
+                            "index": prompt_index * body.n + output.index,
+                            "text": text,
+                            "logprobs": _logprobs(body, output.token_ids, output.logprobs, offset),
+                            "finish_reason": output.finish_reason,
+                            "stop_reason": output.stop_reason,
+                        }
+                    ],
+                }
+                if include_usage:
+                    chunk["usage"] = (
+                        usage(sum(prompt_tokens), sum(map(sum, generated)), sum(cached))
+                        if continuous
+                        else None
+                    )
+                yield sse(chunk)
+        if include_usage:
+            yield sse(
+                {
+                    "id": response_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [],
+                    "usage": usage(sum(prompt_tokens), sum(map(sum, generated)), sum(cached)),
+                }
+            )
+        yield SSE_DONE
+    except Exception as error:  # the 200 is already out: report in the stream
+        yield sse_error(error)
+        yield SSE_DONE
+    finally:
+        call.close()

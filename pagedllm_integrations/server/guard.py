@@ -1,0 +1,110 @@
+"""ASGI middleware in front of every route: API key (401) and body size (413).
+
+It is plain ASGI rather than a Starlette BaseHTTPMiddleware because it must replay the body
+it has read, and pass the client's disconnect through untouched: streaming responses cancel
+themselves (and abort their engine requests) when that disconnect arrives.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_body
+
+MiB = 1 << 20
+DEFAULT_MAX_BODY_BYTES = 4 * MiB
+_OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers' probes)
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope.get("path") not in _OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = (
+                    "missing API key: send 'Authorization: Bearer <key>'"
+                    if not given
+                    else "invalid API key"
+                )
+                await _reply(send, 401, message, "authentication_error", "invalid_api_key",
+                             extra_headers=[(b"www-authenticate", b"Bearer")])  # fmt: skip
+                return
+        too_large = (
+            f"the request body is larger than {self.max_body_bytes} bytes; send a smaller one"
+        )
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _drain(receive, limit=4 * self.max_body_bytes)
+            await _reply(send, 413, too_large, "invalid_request_error", "body_too_large")
+            return
+        parts: list[bytes] = []
+        size, more, disconnected = 0, True, False
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected = True
+                break
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                if more:
+                    await _drain(receive, limit=4 * self.max_body_bytes)
+                await _reply(send, 413, too_large, "invalid_request_error", "body_too_large")
+                return
+        if disconnected:
+            return
+        body = b"".join(parts)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the client's disconnect
+
+        await self.app(scope, replay, send)
+
+
+async def _drain(receive: Receive, limit: int) -> None:
+    """Read (and drop) the rest of a rejected body, so the client, still sending, gets to
+    read the error instead of a reset connection. Stops after `limit` bytes."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+async def _reply(
+    send: Send,
+    status: int,
+    message: str,
+    type_: str,
+    code: str,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    payload = json.dumps(error_body(message, type_, None, code)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        *(extra_headers or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})

@@ -1,0 +1,130 @@
+"""Prometheus metrics fed by the engine: vLLM's names after a `pagedllm:` prefix.
+
+`PrometheusStatLogger.record` runs on the engine thread once per step, so it only bumps
+counters and observes histograms (prometheus-client's are thread-safe and cheap). The engine
+reports cumulative prefix-cache and preemption totals; they become counters through deltas.
+Aborted requests never pass through an engine step's finished list, so the server reports
+them itself with `record_aborted` (finished_reason="abort").
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..engine.metrics import IterationStats, SchedulerStats
+
+PREFIX = "pagedllm:"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class PrometheusStatLogger:
+    """Owns one registry (one per app, so several apps in one process never collide)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        label = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, label, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, label, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=r).labels(
+                model_name
+            )
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Finished sequences by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between two tokens.", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish of a sequence.", _E2E_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first schedule.", _E2E_BUCKETS
+        )
+        self.request_prompt = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished sequence.", _TOKEN_BUCKETS
+        )
+        self.request_generation = histogram(
+            "request_generation_tokens", "Generated tokens per finished sequence.", _TOKEN_BUCKETS
+        )
+        self._lock = threading.Lock()
+        self._last_cumulative = (0, 0, 0)  # prefix queries, prefix hits, preemptions
+
+    # ----------------------------------------------------- engine thread, every step
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        self.update_scheduler(scheduler)
+        if iteration.num_prompt_tokens:
+            self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        if iteration.num_generation_tokens:
+            self.generation_tokens.inc(iteration.num_generation_tokens)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in iteration.finished:
+            self._success.labels(self.model_name, finished.finish_reason).inc()
+            self.e2e.observe(finished.e2e_latency)
+            self.queue_time.observe(finished.queue_time)
+            self.request_prompt.observe(finished.num_prompt_tokens)
+            self.request_generation.observe(finished.num_generation_tokens)
+
+    def update_scheduler(self, scheduler: SchedulerStats) -> None:
+        """Gauges and the engine's cumulative totals (also called at scrape time)."""
+        self.running.set(scheduler.num_running)
+        self.waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(scheduler.kv_cache_usage)
+        current = (
+            scheduler.prefix_cache_queries,
+            scheduler.prefix_cache_hits,
+            scheduler.num_preemptions,
+        )
+        with self._lock:
+            # max(): a total never goes back, even if two snapshots arrive out of order.
+            deltas = [max(c - last, 0) for c, last in zip(current, self._last_cumulative)]
+            self._last_cumulative = tuple(
+                max(c, last) for c, last in zip(current, self._last_cumulative)
+            )
+        for metric, delta in zip((self.prefix_queries, self.prefix_hits, self.preemptions), deltas):
+            if delta:
+                metric.inc(delta)
+
+    # ------------------------------------------------------------ server, any thread
+    def record_aborted(self, num_prompt_tokens: int, generated_per_sequence: list[int]) -> None:
+        """An aborted request (its client went away): counted as finished_reason 'abort'."""
+        for generated in generated_per_sequence:
+            self._success.labels(self.model_name, "abort").inc()
+            self.request_prompt.observe(num_prompt_tokens)
+            self.request_generation.observe(generated)

@@ -1,0 +1,149 @@
+"""Request bodies of the OpenAI API as pydantic models (OpenAI's field names).
+
+Only the shape and the plain ranges are checked here; what needs the model (prompt length,
+vocabulary, tool names) is checked by the engine and the route, and every failure becomes a
+400 with OpenAI's error body. Fields OpenAI has and pagedllm cannot honour are rejected with
+a message rather than silently ignored; unknown extra fields are ignored, as OpenAI's SDKs
+send new ones before servers know them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Bounds that keep one request from exhausting the server (vLLM has none; OpenAI's are lower).
+MAX_N = 128
+MAX_PROMPTS = 256
+MAX_STOP = 16
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
+# OpenAI keys logit_bias by token id written as a string; values are clamped to [-100, 100].
+LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by both routes (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    stop: Stop = None
+    seed: Seed | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: LogitBias = None
+    user: str | None = None
+    # vLLM's extras, accepted by the same names.
+    top_k: int | None = None
+    min_p: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallItem(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None

@@ -1,0 +1,219 @@
+"""The bridge between HTTP requests and engine requests.
+
+`ServerState` holds what the routes share: the engine, the served name, the metrics and the
+admission count behind the 503. `EngineCall` is the group of engine requests behind one HTTP
+request (one per prompt of a completions batch) with their outputs merged into one async
+iterator.
+
+Why one pump task per engine stream: when the client goes away the call aborts its
+requests, and the pumps keep reading until each stream's final (abort) output. Only then are
+the sequences released from the admission count and the tokens the aborted requests produced
+counted in the metrics — so a disconnect never leaks a slot, and `/metrics` adds up exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from ..engine.async_engine import AsyncEngine, RequestStream
+from ..engine.llm_engine import PromptType
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from .errors import APIError
+from .metrics import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    metrics: PrometheusStatLogger
+    max_queue_len: int | None
+    in_flight: int = 0  # sequences admitted and not yet ended (running + waiting)
+    background: set[asyncio.Task] = field(default_factory=set)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.engine.model_name):
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r} "
+                "(see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def start(
+        self, prompts: list[PromptType], params: SamplingParams, id_prefix: str
+    ) -> EngineCall:
+        """Admit, validate (off the event loop: tokenizing and grammar compiling take time)
+        and submit every prompt; nothing is submitted unless every prompt is valid."""
+        sequences = len(prompts) * params.n
+        limit = self.max_queue_len
+        if limit is not None and sequences > limit:
+            raise APIError(
+                400,
+                f"this request needs {sequences} sequences (prompts x n) but the server admits "
+                f"at most {limit} at a time; split it",
+                param="n",
+            )
+        if limit is not None and self.in_flight + sequences > limit:
+            raise APIError(
+                503,
+                f"the server is busy ({self.in_flight} sequences running or waiting, limit "
+                f"{limit}); retry later",
+                code="queue_full",
+            )
+        self.in_flight += sequences  # reserved now: the awaits below let others in
+        submitted: list[RequestStream] = []
+        try:
+            groups = []
+            for index, prompt in enumerate(prompts):
+                request_id = f"{id_prefix}-{index}" if len(prompts) > 1 else id_prefix
+                groups.append(await self._process(prompt, params, request_id))
+            loop = asyncio.get_running_loop()
+            for group in groups:
+                submitted.append(self.engine.submit(group, loop=loop))
+        except BaseException:
+            self.in_flight -= sequences - len(submitted) * params.n
+            if submitted:  # the pumps of what went in release those sequences
+                EngineCall(self, submitted, params.n).close()
+            raise
+        return EngineCall(self, submitted, params.n)
+
+    async def _process(self, prompt: PromptType, params: SamplingParams, request_id: str):
+        try:
+            return await asyncio.to_thread(
+                self.engine.engine.process_inputs, prompt, params, request_id
+            )
+        except ValueError:
+            raise
+        except Exception as error:
+            # Compiling a client's schema or grammar can fail in the grammar library with
+            # its own exception types; the schema came from the client, so it is a 400.
+            if params.structured_outputs is None:
+                raise
+            logger.info("structured-output constraint rejected: %s", error)
+            raise APIError(
+                400,
+                f"the structured-output constraint could not be compiled: {error}",
+                param="response_format",
+            ) from error
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class EngineCall:
+    """The engine requests of one HTTP request, merged; `close()` aborts what is left."""
+
+    def __init__(self, state: ServerState, streams: list[RequestStream], n: int):
+        self.state = state
+        self.streams = streams
+        self.n = n
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._open = len(streams)
+        self._aborted = False
+        for index, stream in enumerate(streams):
+            state.spawn(self._pump(index, stream))
+
+    async def _pump(self, index: int, stream: RequestStream) -> None:
+        generated = [0] * self.n
+        final: RequestOutput | None = None
+        try:
+            async for output in stream:
+                for completion in output.outputs:
+                    generated[completion.index] += len(completion.token_ids)
+                final = output
+                self._queue.put_nowait((index, output))
+        except BaseException as error:  # RequestError, EngineDeadError, cancellation
+            self._queue.put_nowait((index, error))
+            if isinstance(error, asyncio.CancelledError):
+                raise
+        finally:
+            self.state.in_flight -= self.n
+            self._queue.put_nowait((index, None))
+            if final is not None and any(c.finish_reason == "abort" for c in final.outputs):
+                # The engine's step never saw these finish; count them here.
+                self.state.metrics.record_aborted(len(final.prompt_token_ids), generated)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) in arrival order; raises the first stream error."""
+        while self._open:
+            index, item = await self._queue.get()
+            if item is None:
+                self._open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+
+    async def finals(self) -> list[RequestOutput]:
+        """The final output of every prompt, in prompt order."""
+        finals: list[RequestOutput | None] = [None] * len(self.streams)
+        async for index, output in self:
+            if output.finished:
+                finals[index] = output
+        assert all(f is not None for f in finals), "a stream always ends with a final output"
+        return finals  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Abort every request still running (client gone or response failed). Idempotent."""
+        if self._aborted:
+            return
+        self._aborted = True
+        for stream in self.streams:
+            if not stream.finished:
+                self.state.engine.abort(stream.request_id)
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def finals_unless_disconnected(request: Request, call: EngineCall) -> list[RequestOutput]:
+    """Wait for a non-streamed response; if the client leaves first, abort its requests.
+
+    Starlette cancels a streaming response when its client leaves but not a plain one, so
+    the disconnect is polled here (cheaply: a non-blocking look at the receive channel).
+    """
+    task = asyncio.ensure_future(call.finals())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+        call.close()
+
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its response was ready."""
