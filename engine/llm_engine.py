@@ -337,7 +337,9 @@ class LLMEngine:
         if self._structured is None:
             from .structured_outputs import StructuredOutputManager
 
-            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size)
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.vocab_size, stop_token_ids=self.eos_token_ids
+            )
         return self._structured
 
     # ----------------------------------------------------------- request flow

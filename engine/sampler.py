@@ -68,6 +68,7 @@ class Sampler:
 
     # ------------------------------------------------------------------ masks
     def _apply_masks(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        constrained: list[int] = []
         for row, request in enumerate(requests):
             params = request.sampling_params
             if params.logit_bias:
@@ -82,7 +83,12 @@ class Sampler:
                 if banned:
                     logits[row, banned] = float("-inf")
             if request.structured is not None:
-                request.structured.mask_logits(logits[row])
+                constrained.append(row)
+        if constrained:
+            # All grammar rows in one packed bitmask and one masking op.
+            from .structured_outputs import apply_grammar_masks
+
+            apply_grammar_masks(logits, constrained, [requests[i].structured for i in constrained])
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
         rows = [

@@ -50,6 +50,12 @@ class StructuredOutputsParams:
                 "structured_outputs needs exactly one of json, json_object, regex, choice, "
                 f"grammar; got {sum(kinds)}"
             )
+        if self.json is not None and not isinstance(self.json, dict):
+            # A JSON string or a pydantic model class becomes a schema dict here, so a bad
+            # one is a ValueError when the params are built.
+            from .structured_outputs import schema_dict
+
+            self.json = schema_dict(self.json)
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
