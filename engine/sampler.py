@@ -29,6 +29,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    @torch.inference_mode()  # logits come from the model's inference-mode forward pass
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [N, V] float32 (one row per request), may be modified in place."""
         num_rows = logits.shape[0]

@@ -42,6 +42,19 @@ def default_llm():
     llm.shutdown()
 
 
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers reading the same GGUF file on its own: an independent reference."""
+    from pagedllm_integrations.engine.model_loader import default_model_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    folder, name = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
 def make_tiny_llama(
     folder: Path,
     tokenizer_source: Path,

@@ -38,19 +38,6 @@ def hf_greedy(model, tokenizer, prompt: str, max_new: int) -> list[int]:
     return new[: new.index(eos) + 1] if eos in new else new
 
 
-@pytest.fixture(scope="module")
-def hf_default_model():
-    """transformers reading the same GGUF file on its own: an independent reference."""
-    from pagedllm_integrations.engine.model_loader import default_model_path
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = default_model_path()
-    folder, name = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval(), tokenizer
-
-
 def test_default_model_matches_transformers_batched_and_alone(default_llm, hf_default_model):
     model, tokenizer = hf_default_model
     expected = [hf_greedy(model, tokenizer, p, MAX_NEW) for p in PROMPTS]
