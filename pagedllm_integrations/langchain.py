@@ -1,0 +1,673 @@
+"""LangChain models backed by the in-process pagedllm engine.
+
+    from pagedllm_integrations.langchain import ChatPagedLLM, PagedLLM
+    chat = ChatPagedLLM(temperature=0, max_tokens=128)      # the embedded SmolLM2 model
+    llm = PagedLLM(model="path/or/gguf", max_new_tokens=64)  # same arguments as VLLM(...)
+
+Every instance with the same model and engine settings shares one engine (weights, batches
+and prefix cache), built on the first call: constructing a wrapper is cheap. Concurrent
+calls from threads or tasks are merged by the engine's continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, Literal
+
+try:
+    from langchain_core.callbacks import (
+        AsyncCallbackManagerForLLMRun,
+        CallbackManagerForLLMRun,
+    )
+    from langchain_core.language_models import BaseChatModel, BaseLLM, LanguageModelInput
+    from langchain_core.language_models.base import LangSmithParams
+    from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+    from langchain_core.messages.ai import UsageMetadata
+    from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+    from langchain_core.output_parsers.openai_tools import (
+        JsonOutputKeyToolsParser,
+        PydanticToolsParser,
+    )
+    from langchain_core.outputs import (
+        ChatGeneration,
+        ChatGenerationChunk,
+        ChatResult,
+        Generation,
+        GenerationChunk,
+        LLMResult,
+    )
+    from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+    from langchain_core.tools import BaseTool
+    from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+    from langchain_core.utils.pydantic import is_basemodel_subclass
+    from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        'pagedllm_integrations.langchain needs langchain-core: pip install "pagedllm[langchain]"'
+    ) from error
+
+from .engine.async_engine import AsyncEngine, shared_engine
+from .engine.config import EngineConfig
+from .engine.llm_engine import RequestGroup
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import RequestOutputKind, SamplingParams
+from .langchain_support import (
+    aiter_outputs,
+    arun_all,
+    build_engine_config,
+    display_model_name,
+    format_logprobs,
+    iter_outputs,
+    merge_stops,
+    normalize_tool_choice,
+    run_all,
+    split_call_kwargs,
+    to_openai_messages,
+    token_usage,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChatPagedLLM", "PagedLLM"]
+
+PROVIDER = "pagedllm"
+
+
+class _EngineOwner:
+    """Lazy access to the shared engine of a wrapper (mixed into both pydantic models, which
+    declare the private attributes `_config` and `_engine`)."""
+
+    def _get_engine(self) -> AsyncEngine:
+        if self._engine is None:
+            self._engine = shared_engine(self._config)
+        return self._engine
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The shared engine (loads the model on first access)."""
+        return self._get_engine()
+
+    def _model_name(self) -> str:
+        if self._engine is not None:
+            return self._engine.model_name
+        return display_model_name(self._config)
+
+
+def _sampling(base: dict[str, Any], extra: dict[str, Any], call: dict[str, Any], stops) -> dict:
+    """Instance defaults < vllm_kwargs < call-time kwargs; stop strings are merged."""
+    merged = {k: v for k, v in base.items() if v is not None}
+    merged.update(extra)
+    merged.update(split_call_kwargs(call))
+    merged["stop"] = merge_stops(*stops, extra.get("stop"), call.get("stop"))
+    return merged
+
+
+@dataclass(slots=True)
+class _Call:
+    """The sampling settings of one call, how many candidates to return, and the logprobs
+    the caller asked for (best_of may ask the engine for more than that)."""
+
+    params: SamplingParams
+    n: int
+    logprobs: int | None
+
+
+def _info(completion: CompletionOutput, call: _Call) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
+    if call.logprobs is not None:
+        info["logprobs"] = format_logprobs(completion, call.logprobs)
+        info["cumulative_logprob"] = completion.cumulative_logprob
+    return info
+
+
+# =============================================================================== PagedLLM
+class PagedLLM(_EngineOwner, BaseLLM):
+    """Text-completion model; takes LangChain `VLLM`'s arguments, plus `engine_kwargs`.
+
+    Unlike `VLLM` it streams real tokens, returns all `n` candidates, keeps the
+    init-time `stop` when a call adds its own, and reports logprobs and token usage.
+    """
+
+    model: str | None = None
+    """A GGUF file, a Hugging Face folder or id; None: the embedded SmolLM2-135M-Instruct."""
+    tensor_parallel_size: int | None = 1
+    trust_remote_code: bool | None = False
+    n: int = 1
+    best_of: int | None = None
+    """Sample this many and return the `n` with the highest cumulative logprob."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    use_beam_search: bool = False
+    stop: list[str] | None = None
+    ignore_eos: bool = False
+    max_new_tokens: int = 512
+    logprobs: int | None = None
+    dtype: str = "auto"
+    download_dir: str | None = None
+    vllm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Engine settings and sampling parameters, as LangChain's VLLM takes them."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Any EngineConfig field: max_model_len, kv_cache_memory, enable_prefix_caching, ..."""
+    timeout: float | None = None
+    """Seconds a call may take; the request is aborted and TimeoutError raised after it."""
+
+    _config: EngineConfig = PrivateAttr()
+    _engine: AsyncEngine | None = PrivateAttr(default=None)
+    _sampling_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> PagedLLM:
+        if self.use_beam_search:
+            raise ValueError("use_beam_search is not supported; use best_of=k to rank k samples")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        explicit = {
+            "model": self.model,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "trust_remote_code": self.trust_remote_code,
+            "dtype": self.dtype,
+            "download_dir": self.download_dir,
+        }
+        self._config, self._sampling_extra = build_engine_config(
+            explicit, self.engine_kwargs, self.vllm_kwargs
+        )
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "pagedllm"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self._model_name(), **self._default_params(), **self.engine_kwargs}
+
+    def _default_params(self) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "best_of": self.best_of,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "ignore_eos": self.ignore_eos,
+            "max_tokens": self.max_new_tokens,
+            "logprobs": self.logprobs,
+            "stop": self.stop,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = kwargs.get("model") or self._model_name()
+        params["ls_model_type"] = "llm"
+        params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_new_tokens)
+        return params
+
+    def _params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
+        base = self._default_params()
+        best_of = kwargs.pop("best_of", base.pop("best_of"))
+        merged = _sampling(base, self._sampling_extra, kwargs, (self.stop, stop))
+        n, wanted = merged.get("n", 1), merged.get("logprobs")
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of ({best_of}) must be >= n ({n})")
+        if best_of is not None and best_of > n:
+            # Ranking needs each sample's cumulative logprob: ask for at least the chosen one.
+            merged["n"] = best_of
+            merged["logprobs"] = wanted or 0
+        return _Call(SamplingParams.from_kwargs(**merged), n, wanted)
+
+    def _prepare(
+        self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any], kind
+    ) -> tuple[AsyncEngine, list[RequestGroup], _Call]:
+        engine = self._get_engine()
+        call = self._params(stop, dict(kwargs))
+        call.params = call.params.clone(output_kind=kind)
+        # Validate every prompt before submitting any: a bad one fails the call, not a half.
+        groups = [engine.engine.process_inputs(p, call.params) for p in prompts]
+        return engine, groups, call
+
+    def _result(self, outputs: list[RequestOutput], call: _Call) -> LLMResult:
+        generations = []
+        for output in outputs:
+            candidates = output.outputs
+            if len(candidates) > call.n:  # best_of: keep the n most likely samples
+                candidates = sorted(candidates, key=lambda c: -(c.cumulative_logprob or 0.0))
+                candidates = candidates[: call.n]
+            generations.append(
+                [Generation(text=c.text, generation_info=_info(c, call)) for c in candidates]
+            )
+        llm_output = {"token_usage": token_usage(outputs), "model_name": self._model_name()}
+        return LLMResult(generations=generations, llm_output=llm_output)
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        engine, groups, call = self._prepare(prompts, stop, kwargs, RequestOutputKind.FINAL_ONLY)
+        return self._result(run_all(engine, groups, self.timeout), call)
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        # Loading the model and tokenizing run off the event loop.
+        engine, groups, call = await asyncio.to_thread(
+            self._prepare, prompts, stop, kwargs, RequestOutputKind.FINAL_ONLY
+        )
+        return self._result(await arun_all(engine, groups, self.timeout), call)
+
+    def _stream_prepare(self, prompt: str, stop, kwargs) -> tuple[AsyncEngine, RequestGroup, _Call]:
+        engine, groups, call = self._prepare([prompt], stop, kwargs, RequestOutputKind.DELTA)
+        if call.params.n != 1:
+            raise ValueError(
+                f"streaming returns one candidate; got n={call.n}, best_of={call.params.n}"
+            )
+        return engine, groups[0], call
+
+    @staticmethod
+    def _chunk(output: RequestOutput, call: _Call) -> GenerationChunk | None:
+        completion = output.outputs[0]
+        if not completion.text and not output.finished:
+            return None
+        info = None
+        if output.finished:
+            info = {**_info(completion, call), "token_usage": token_usage([output])}
+        return GenerationChunk(text=completion.text, generation_info=info)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        engine, group, call = self._stream_prepare(prompt, stop, kwargs)
+        for output in iter_outputs(engine, group, self.timeout):
+            chunk = self._chunk(output, call)
+            if chunk is None:
+                continue
+            if run_manager is not None:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        engine, group, call = await asyncio.to_thread(self._stream_prepare, prompt, stop, kwargs)
+        async for output in aiter_outputs(engine, group, self.timeout):
+            chunk = self._chunk(output, call)
+            if chunk is None:
+                continue
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+
+# =========================================================================== ChatPagedLLM
+class ChatPagedLLM(_EngineOwner, BaseChatModel):
+    """Chat model: the model's own chat template, real token streaming (sync and async),
+    tool calling with `tool_choice`, structured output by constrained decoding, and
+    prefix-cache hits reported as `usage_metadata["input_token_details"]["cache_read"]`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    model: str | None = Field(default=None, alias="model_name")
+    """A GGUF file, a Hugging Face folder or id; None: the embedded SmolLM2-135M-Instruct."""
+    temperature: float | None = None
+    max_tokens: int | None = None
+    """Most tokens to generate; None: until the end of the answer or of the context."""
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    streaming: bool = False
+    timeout: float | None = None
+    """Seconds a call may take; the request is aborted and TimeoutError raised after it."""
+    max_retries: int | None = None
+    """Accepted for drop-in use; an in-process engine has no transient errors to retry."""
+    api_key: SecretStr | None = Field(default=None, exclude=True)
+    """Accepted for drop-in use and ignored: there is no server to authenticate to."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    dtype: str = "auto"
+    download_dir: str | None = None
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Any EngineConfig field: max_model_len, kv_cache_memory, enable_prefix_caching, ..."""
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """More SamplingParams fields applied to every call (repetition_penalty, min_tokens...)."""
+
+    _config: EngineConfig = PrivateAttr()
+    _engine: AsyncEngine | None = PrivateAttr(default=None)
+    _sampling_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatPagedLLM:
+        explicit = {"model": self.model, "dtype": self.dtype, "download_dir": self.download_dir}
+        self._config, self._sampling_extra = build_engine_config(
+            explicit, self.engine_kwargs, self.model_kwargs
+        )
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "pagedllm-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self._model_name(), **self._default_params(), **self.engine_kwargs}
+
+    def _default_params(self) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs or self.top_logprobs is not None:
+            logprobs = self.top_logprobs or 0
+        return {
+            "n": self.n,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "logprobs": logprobs,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = kwargs.get("model") or self._model_name()
+        params["ls_model_type"] = "chat"
+        return params
+
+    # ------------------------------------------------------------------ requests
+    def _prepare(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], kind
+    ) -> tuple[AsyncEngine, RequestGroup, _ChatCall]:
+        """Render the chat template, tokenize and validate (any thread; loads the engine)."""
+        from .engine.tool_calls import render_chat_prompt, tool_call_constraint
+
+        engine = self._get_engine()
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None) or None
+        tool_choice = kwargs.pop("tool_choice", None)
+        structured = kwargs.pop("structured_outputs", None)
+        if tool_choice == "none":
+            tools = None  # the model must answer in text: do not offer tools at all
+        constraint = tool_call_constraint(tools, tool_choice) if tools else None
+        if constraint is not None and structured is not None:
+            raise ValueError("a call cannot both force a tool call and a structured output")
+        merged = _sampling(self._default_params(), self._sampling_extra, kwargs, (self.stop, stop))
+        merged["structured_outputs"] = constraint or structured
+        merged["output_kind"] = kind
+        params = SamplingParams.from_kwargs(**merged)
+        prompt = render_chat_prompt(
+            engine.tokenizer,
+            to_openai_messages(messages),
+            tools=tools,
+            tool_choice=tool_choice,
+            add_generation_prompt=True,
+            **self.chat_template_kwargs,
+        )
+        # The template already holds any BOS: no second one from the tokenizer.
+        ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
+        group = engine.engine.process_inputs({"prompt_token_ids": ids}, params)
+        logprobs = params.logprobs
+        return engine, group, _ChatCall(params, tools, logprobs)
+
+    def _message(self, output: RequestOutput, index: int, call: _ChatCall) -> ChatGeneration:
+        completion = output.outputs[index]
+        content, tool_calls = self._split_tool_calls(completion.text, call)
+        metadata = self._response_metadata(completion, call, bool(tool_calls))
+        message = AIMessage(
+            content=content,
+            tool_calls=[
+                {"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"}
+                for c in tool_calls
+            ],
+            usage_metadata=_usage(output, completion) if index == 0 else None,
+            response_metadata=metadata,
+        )
+        return ChatGeneration(
+            message=message, generation_info={"finish_reason": metadata["finish_reason"]}
+        )
+
+    @staticmethod
+    def _split_tool_calls(text: str, call: _ChatCall) -> tuple[str, list]:
+        if not call.tools:
+            return text, []
+        from .engine.tool_calls import parse_tool_calls
+
+        return parse_tool_calls(text, call.tools)
+
+    def _response_metadata(self, completion, call: _ChatCall, called: bool) -> dict[str, Any]:
+        metadata: dict[str, Any] = {
+            "model_name": self._model_name(),
+            "model_provider": PROVIDER,
+            "finish_reason": "tool_calls" if called else completion.finish_reason,
+        }
+        if completion.stop_reason is not None:
+            metadata["stop_reason"] = completion.stop_reason
+        if call.logprobs is not None:
+            metadata["logprobs"] = {"content": format_logprobs(completion, call.logprobs)}
+        return metadata
+
+    def _result(self, output: RequestOutput, call: _ChatCall) -> ChatResult:
+        generations = [self._message(output, i, call) for i in range(len(output.outputs))]
+        usage = token_usage([output])
+        return ChatResult(
+            generations=generations,
+            llm_output={"token_usage": usage, "model_name": self._model_name()},
+        )
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        engine, group, call = self._prepare(messages, stop, kwargs, RequestOutputKind.FINAL_ONLY)
+        (output,) = run_all(engine, [group], self.timeout)
+        return self._result(output, call)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        engine, group, call = await asyncio.to_thread(
+            self._prepare, messages, stop, kwargs, RequestOutputKind.FINAL_ONLY
+        )
+        (output,) = await arun_all(engine, [group], self.timeout)
+        return self._result(output, call)
+
+    # ----------------------------------------------------------------- streaming
+    def _stream_prepare(self, messages, stop, kwargs) -> tuple[AsyncEngine, RequestGroup, Any]:
+        engine, group, call = self._prepare(messages, stop, kwargs, RequestOutputKind.DELTA)
+        if call.params.n != 1:
+            raise ValueError(f"streaming returns one candidate; got n={call.params.n}")
+        return engine, group, call
+
+    def _chunks(self, output: RequestOutput, call: _ChatCall) -> Iterator[ChatGenerationChunk]:
+        """Chunks for one engine output (DELTA text). With tools bound the text is held back
+        until the end, when it is known whether it was a tool call or an answer."""
+        completion = output.outputs[0]
+        if call.tools:
+            call.held.append(completion.text)
+            if not output.finished:
+                return
+            text = "".join(call.held)
+        else:
+            text = completion.text
+        if not output.finished:
+            if text:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=text))
+            return
+        content, tool_calls = self._split_tool_calls(text, call)
+        metadata = self._response_metadata(completion, call, bool(tool_calls))
+        chunk = AIMessageChunk(
+            content=content,
+            tool_call_chunks=[
+                {
+                    "name": c.name,
+                    "args": json.dumps(c.arguments, ensure_ascii=False),
+                    "id": c.id,
+                    "index": i,
+                    "type": "tool_call_chunk",
+                }
+                for i, c in enumerate(tool_calls)
+            ],
+            usage_metadata=_usage(output, completion),
+            chunk_position="last",
+        )
+        yield ChatGenerationChunk(message=chunk, generation_info=metadata)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        engine, group, call = self._stream_prepare(messages, stop, kwargs)
+        for output in iter_outputs(engine, group, self.timeout):
+            for chunk in self._chunks(output, call):
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        engine, group, call = await asyncio.to_thread(self._stream_prepare, messages, stop, kwargs)
+        async for output in aiter_outputs(engine, group, self.timeout):
+            for chunk in self._chunks(output, call):
+                if run_manager is not None:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+    # ------------------------------------------------------- tools and structure
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: dict | str | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Offer tools to the model. tool_choice: "auto" (default), "any"/"required" (a
+        call is forced by constrained decoding), "none", a tool name, or an OpenAI dict."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        names = [t["function"]["name"] for t in formatted]
+        choice = normalize_tool_choice(tool_choice, names)
+        if choice is not None:
+            kwargs["tool_choice"] = choice
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | Any]:
+        """Answers that fit `schema`, enforced token by token by the engine.
+
+        json_schema: the output is constrained to the schema; json_mode: to any JSON object
+        (say in the prompt what to put in it); function_calling: a forced call of a tool
+        made from the schema. Pydantic classes are parsed into instances, others into dicts.
+        """
+        if kwargs:
+            raise ValueError(f"unexpected arguments {sorted(kwargs)} for with_structured_output")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("method='function_calling' needs a schema")
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=trace)
+            parser: Runnable = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)
+                if is_pydantic
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema":
+                if schema is None:
+                    raise ValueError("method='json_schema' needs a schema; or use json_mode")
+                constraint = {"json": convert_to_json_schema(schema)}
+            else:
+                constraint = {"json_object": True}
+            llm = self.bind(structured_outputs=constraint, ls_structured_output_format=trace)
+            parser = (
+                PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+            )
+        else:
+            raise ValueError(
+                f"method must be 'json_schema', 'json_mode' or 'function_calling', got {method!r}"
+            )
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(
+            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+        )
+        no_parse = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks(
+            [no_parse], exception_key="parsing_error"
+        )
+
+
+@dataclass(slots=True)
+class _ChatCall:
+    params: SamplingParams
+    tools: list[dict[str, Any]] | None
+    logprobs: int | None
+    held: list[str] = field(default_factory=list)  # streamed text held back while tools are bound
+
+
+def _usage(output: RequestOutput, completion: CompletionOutput) -> UsageMetadata:
+    prompt = len(output.prompt_token_ids)
+    generated = len(completion.token_ids)
+    return UsageMetadata(
+        input_tokens=prompt,
+        output_tokens=generated,
+        total_tokens=prompt + generated,
+        input_token_details={"cache_read": output.num_cached_tokens},
+    )
