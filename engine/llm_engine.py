@@ -72,6 +72,7 @@ class LLMEngine:
         self.device = _resolve_device(config.device)
         source = resolve_model(config.model, config.revision, config.download_dir)
         self.model_name = config.served_model_name or source.name
+        self.model_folder = source.folder
         hf_config = read_config(source.folder)
         self.model_config = LlamaConfig.from_hf_dict(hf_config)
         self.dtype = self._resolve_dtype(hf_config)
@@ -533,6 +534,7 @@ class LLMEngine:
             )
 
     def scheduler_stats(self) -> SchedulerStats:
+        running, kv, block_size = self.scheduler.running, self.kv_manager, self.config.block_size
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -540,6 +542,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_tokens_held=sum(r.num_computed_tokens for r in running),
+            kv_slots_reserved=block_size * sum(kv.num_blocks_of(r.request_id) for r in running),
         )
 
     def _log_stats(self, iteration: IterationStats) -> None:

@@ -24,6 +24,10 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative prompt tokens found
     num_preemptions: int = 0  # cumulative
+    # Slots of the running requests' blocks, and how many of them hold a computed token:
+    # the difference is paged attention's only waste (each sequence's last partial block).
+    kv_tokens_held: int = 0
+    kv_slots_reserved: int = 0
 
 
 @dataclass(slots=True)
