@@ -1,0 +1,246 @@
+"""AWQLinear: a stacked linear layer whose weights stay 4-bit in memory, and its factory.
+
+The engine stacks q/k/v (and gate/up) into one module; the AWQ tensors of each checkpoint
+shard are concatenated along N (qweight/qzeros in units of 8 columns, scales per column):
+
+    qweight [K, N/8] = [ q_proj.qweight | k_proj.qweight | v_proj.qweight ]   (dim 1)
+
+Kernels:
+- CUDA: Triton (fused dequant-GEMM for few tokens, dequantize + matmul for many).
+- CPU: torch's native int4 matmul (`aten._weight_int4pack_mm_for_cpu`) when the shape allows
+  it (N % 16 == 0, G in 32/64/128/256), else a tile-wise dequantize + matmul that never holds
+  more than a few groups of rows in full precision.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine.models.layers import LinearFactory, StackedLinear
+from .awq_format import PACK, AWQConfig, dequantize, parse_awq_config, unpack_int4
+
+logger = logging.getLogger(__name__)
+
+_NATIVE_GROUP_SIZES = (32, 64, 128, 256)
+_TILE_ELEMENTS = 1 << 18  # full-precision elements per dequantized tile on the tiles path
+_AWQ_PARTS = ("qweight", "qzeros", "scales")
+
+
+def native_int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+class AWQLinear(nn.Module):
+    """y [T, N] = x [T, K] Wᵀ + b, W held as AWQ INT4; N = sum(output_sizes).
+
+    `cpu_kernel`: "auto" (native int4 when the shape allows, else tiles), "int4pack" or
+    "tiles". On the native path the AWQ tensors are repacked once every shard has been
+    loaded, and the AWQ copies are released.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        group_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cpu_kernel: str = "auto",
+    ):
+        super().__init__()
+        group = in_features if group_size == -1 else group_size
+        if in_features % group:
+            raise ValueError(f"AWQ group size {group} does not divide in_features {in_features}")
+        bad = [n for n in output_sizes if n % PACK]
+        if bad:
+            raise ValueError(f"AWQ needs output sizes that are multiples of 8, got {bad}")
+        if cpu_kernel not in ("auto", "int4pack", "tiles"):
+            raise ValueError(f"cpu_kernel must be auto, int4pack or tiles, got {cpu_kernel!r}")
+        self.in_features = in_features
+        self.group_size = group
+        self.output_sizes = list(output_sizes)
+        self.offsets = [0]
+        for size in output_sizes:
+            self.offsets.append(self.offsets[-1] + size)
+        n, k, groups = self.offsets[-1], in_features, in_features // group
+        self.out_features = n
+        self.dtype = dtype
+        self.register_buffer("qweight", torch.zeros(k, n // PACK, dtype=torch.int32, device=device))
+        self.register_buffer(
+            "qzeros", torch.zeros(groups, n // PACK, dtype=torch.int32, device=device)
+        )
+        self.register_buffer("scales", torch.zeros(groups, n, dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
+        native_ok = n % 16 == 0 and group in _NATIVE_GROUP_SIZES and native_int4_available()
+        if cpu_kernel == "int4pack" and not native_ok:
+            raise ValueError(
+                f"torch's int4 CPU matmul needs N % 16 == 0 and group size in "
+                f"{_NATIVE_GROUP_SIZES}; got N={n}, group size {group}"
+            )
+        self.cpu_kernel = (
+            ("int4pack" if native_ok else "tiles") if cpu_kernel == "auto" else cpu_kernel
+        )
+        self._pending = {(part, s) for part in _AWQ_PARTS for s in range(len(output_sizes))}
+        self._int4pack: torch.Tensor | None = None  # uint8 [N, K/2] (torch's own layout)
+        self._scales_zeros: torch.Tensor | None = None  # float32 [K/G, N, 2]
+
+    # ------------------------------------------------------------------ loading
+    def load(self, suffix: str, tensor: torch.Tensor, shard: int) -> None:
+        start, end = self.offsets[shard], self.offsets[shard + 1]
+        if suffix == "bias":
+            if self.bias is not None:
+                _copy(self.bias[start:end], tensor, f"bias shard {shard}")
+            return
+        if suffix not in _AWQ_PARTS:
+            raise ValueError(
+                f"unexpected tensor '{suffix}' for an AWQ linear (expected qweight, qzeros, "
+                "scales, bias); is the checkpoint a mix of quantized and plain shards?"
+            )
+        if self._int4pack is not None:
+            raise ValueError("this AWQ layer was already loaded and repacked; load it only once")
+        if suffix == "scales":
+            _copy(self.scales[:, start:end], tensor, f"scales shard {shard}")
+        else:
+            target = self.qweight if suffix == "qweight" else self.qzeros
+            _copy(target[:, start // PACK : end // PACK], tensor, f"{suffix} shard {shard}")
+        self._pending.discard((suffix, shard))
+        if (
+            not self._pending
+            and self.qweight.device.type == "cpu"
+            and self.cpu_kernel == "int4pack"
+        ):
+            self._repack_for_cpu()
+
+    def _repack_for_cpu(self) -> None:
+        codes = unpack_int4(self.qweight).t().contiguous()  # [N, K]
+        self._int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        # torch computes w = (q - 8) * s + zp per group; AWQ's (q - z) * s is zp = (8 - z) * s.
+        s = self.scales.to(torch.float32)
+        z = unpack_int4(self.qzeros).to(torch.float32)
+        self._scales_zeros = torch.stack([s, (8 - z) * s], dim=-1).contiguous()
+        self.qweight = None  # released: the repacked copy is the only one
+        self.qzeros = None
+        self.scales = None
+
+    def weight_bytes(self) -> int:
+        """Bytes held for the weight (packed codes, zeros, scales, bias)."""
+        held = [self.qweight, self.qzeros, self.scales, self.bias, self._int4pack]
+        held.append(self._scales_zeros)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x's dtype."""
+        if self._pending:
+            missing = sorted({part for part, _ in self._pending})
+            raise ValueError(f"AWQ layer used before its checkpoint tensors {missing} were loaded")
+        if x.device.type == "cuda":
+            from .awq_triton import awq_linear_triton
+
+            out = awq_linear_triton(x, self.qweight, self.qzeros, self.scales, self.group_size)
+        elif self._int4pack is not None:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.float32), self._int4pack, self.group_size, self._scales_zeros
+            ).to(x.dtype)
+        else:
+            out = self._forward_tiles(x)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def _forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.group_size
+        groups_per_tile = max(1, _TILE_ELEMENTS // (group * self.out_features))
+        x32 = x.to(torch.float32)
+        out = torch.zeros(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        for g0 in range(0, self.qzeros.shape[0], groups_per_tile):
+            g1 = min(g0 + groups_per_tile, self.qzeros.shape[0])
+            k0, k1 = g0 * group, g1 * group
+            w = dequantize(
+                self.qweight[k0:k1], self.qzeros[g0:g1], self.scales[g0:g1], group, torch.float32
+            )  # [k1 - k0, N]
+            out.addmm_(x32[:, k0:k1], w)
+        return out.to(x.dtype)
+
+
+class MixedStackedLinear(nn.Module):
+    """A stack whose shards differ: some quantized, some kept dense (modules_to_not_convert)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def load(self, suffix: str, tensor: torch.Tensor, shard: int) -> None:
+        self.parts[shard].load(suffix, tensor, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def checkpoint_tensor_names(folder: Path) -> set[str]:
+    """Names of every tensor in a folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in sorted(glob.glob(str(folder / "*.safetensors"))):
+        with safe_open(file, framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def awq_linear_factory(
+    quant_config: dict[str, Any], folder: Path, cpu_kernel: str = "auto"
+) -> LinearFactory:
+    """The engine's LinearFactory for an AutoAWQ gemm checkpoint in `folder`.
+
+    A module is quantized iff `<prefix>.qweight` is in the checkpoint, which covers
+    modules_to_not_convert whatever matching rule the writer used.
+    """
+    config: AWQConfig = parse_awq_config(quant_config)
+    names = checkpoint_tensor_names(Path(folder))
+    if not any(name.endswith(".qweight") for name in names):
+        raise ValueError(f"{folder} says it is AWQ but holds no '.qweight' tensors")
+
+    def make(
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        prefixes: list[str],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> nn.Module:
+        quantized = [f"{prefix}.qweight" in names for prefix in prefixes]
+        group = config.group_size_for(in_features)
+        if all(quantized):
+            return AWQLinear(in_features, output_sizes, bias, group, dtype, device, cpu_kernel)
+        if not any(quantized):
+            return StackedLinear(in_features, output_sizes, bias, dtype, device)
+        logger.info("mixed AWQ / dense stack %s", prefixes)
+        parts: list[nn.Module] = [
+            AWQLinear(in_features, [size], bias, group, dtype, device, cpu_kernel)
+            if is_q
+            else StackedLinear(in_features, [size], bias, dtype, device)
+            for size, is_q in zip(output_sizes, quantized)
+        ]
+        return MixedStackedLinear(parts)
+
+    return make
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
+    dst.copy_(src)
