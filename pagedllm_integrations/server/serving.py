@@ -185,8 +185,12 @@ class EngineCall:
 
 
 def sse(payload: dict) -> str:
-    """One server-sent event carrying a JSON object."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One server-sent event carrying a JSON object.
+
+    ASCII-only on purpose: token text can hold U+2028, U+0085 and the like, which many SSE
+    readers (httpx's iter_lines among them) take for line breaks and cut the event at.
+    """
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
