@@ -415,8 +415,8 @@ def paged_attention_triton(
     group = num_q_heads // num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     tile_n = 64 if d_pad <= 128 else 32
-    use_window = sliding_window is not None and sliding_window > 0
-    window = int(sliding_window) if use_window else 0
+    window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else 0
+    use_window = window > 0
     qk_scale = float(scale) * _LOG2E
     # tf32 would cost float32 its 1e-3 accuracy; other dtypes ignore the setting.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
