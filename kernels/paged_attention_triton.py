@@ -36,6 +36,7 @@ Index arithmetic of the unified kernel (grid = (query tiles, kv heads)):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -322,6 +323,7 @@ _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
 
+@functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
