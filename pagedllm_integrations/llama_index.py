@@ -5,22 +5,22 @@
     index.as_query_engine(llm=llm, streaming=True).query("...")
 
 Every instance with the same model and engine settings talks to one shared engine (created
-on first use, never at construction), so twenty query engines, agents and coroutines
-become one continuously batched stream of work and share one prefix cache. The async
-methods await the engine's own queue: they never block the event loop.
+on first use, never at construction), so query engines, agents and coroutines become one
+continuously batched stream of work and share one prefix cache. The async methods prepare
+the request (chat template, tokens, grammar) on a worker thread and then await the engine's
+queue: they never block the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
+    import llama_index.core.instrumentation as instrument
     from llama_index.core.base.llms.generic_utils import (
         messages_to_prompt as generic_messages_to_prompt,
     )
@@ -33,13 +33,14 @@ try:
         CompletionResponseAsyncGen,
         CompletionResponseGen,
         LLMMetadata,
-        LogProb,
         MessageRole,
-        TextBlock,
-        ToolCallBlock,
     )
     from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
     from llama_index.core.constants import DEFAULT_NUM_OUTPUTS, DEFAULT_TEMPERATURE
+    from llama_index.core.instrumentation.events.llm import (
+        LLMStructuredPredictEndEvent,
+        LLMStructuredPredictStartEvent,
+    )
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.function_calling import FunctionCallingLLM
     from llama_index.core.llms.llm import ToolSelection
@@ -48,16 +49,29 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         'PagedLlamaIndexLLM needs llama-index-core: pip install "pagedllm[llama-index]"'
     ) from error
 
-from .engine.async_engine import AsyncEngine, shared_engine
+from .engine.async_engine import AsyncEngine, RequestStream, shared_engine
 from .engine.config import EngineConfig
+from .engine.llm_engine import PromptType
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from .engine.tool_calls import render_chat_prompt, tool_call_constraint
+from .llama_index_convert import (
+    Deltas,
+    chat_response,
+    completion_response,
+    keep_first_tool_call,
+    to_openai_messages,
+    tool_selections,
+)
 
 if TYPE_CHECKING:
-    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.prompts import BasePromptTemplate
     from llama_index.core.tools.types import BaseTool
 
 logger = logging.getLogger(__name__)
+dispatcher = instrument.get_dispatcher(__name__)
+
+__all__ = ["PagedLlamaIndexLLM", "to_openai_messages"]
 
 # What the engine calls the embedded model when no model is given (engine/model_loader.py).
 _DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -74,7 +88,6 @@ _FRAMEWORK_KWARGS = {"allow_parallel_tool_calls", "verbose", "formatted"}
 _SAMPLING_NAMES = {
     name for name in SamplingParams.__dataclass_fields__ if not name.startswith("_")
 } - {"output_kind"}
-_ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 
 
 class PagedLlamaIndexLLM(FunctionCallingLLM):
@@ -174,7 +187,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
 
     def _chat_request(
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], stream: bool
-    ) -> tuple[dict[str, Any] | str, SamplingParams, list[dict] | None]:
+    ) -> tuple[PromptType, SamplingParams, list[dict] | None]:
         """The prompt for a conversation, its sampling params and the tools it offers."""
         tools = kwargs.get("tools") or None
         tool_choice = kwargs.get("tool_choice")
@@ -182,17 +195,14 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         if self.messages_to_prompt is not generic_messages_to_prompt:
             # The user's own formatting wins over the model's chat template.
             return self.messages_to_prompt(messages), params, tools
-        from .engine.tool_calls import render_chat_prompt, tool_call_constraint
-
         tokenizer = self.engine.tokenizer
         text = render_chat_prompt(
             tokenizer, to_openai_messages(messages), tools=tools, tool_choice=tool_choice
         )
         if tools and params.structured_outputs is None:
-            constraint = tool_call_constraint(
-                tools, tool_choice, parallel_tool_calls=bool(kwargs.get("parallel_tool_calls"))
-            )
-            if constraint is not None:
+            parallel = bool(kwargs.get("parallel_tool_calls"))
+            constraint = tool_call_constraint(tools, tool_choice, parallel_tool_calls=parallel)
+            if constraint is not None:  # "required" or a named tool: force a valid call
                 params = params.clone(structured_outputs=constraint)
         # The template already holds any BOS token: the tokenizer must not add another.
         ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -200,81 +210,85 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
 
     def _completion_request(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any], stream: bool
-    ) -> tuple[str, SamplingParams]:
+    ) -> tuple[PromptType, SamplingParams, None]:
         if not formatted:
             prompt = self.completion_to_prompt(prompt)
-        return prompt, self._sampling_params(kwargs, stream)
+        return prompt, self._sampling_params(kwargs, stream), None
+
+    def _start(self, request: tuple) -> tuple[Iterator[RequestOutput], list[dict] | None]:
+        """Submit now (bad input raises here, in the caller); outputs as they come."""
+        prompt, params, tools = request
+        stream = self.engine.add_request(prompt, params)
+        return _follow(self.engine, stream), tools
+
+    async def _astart(
+        self, build: Callable[..., tuple], *args: Any
+    ) -> tuple[AsyncIterator[RequestOutput], list[dict] | None]:
+        """Like _start, but the template, tokenizer and grammar compiler (a first JSON schema
+        takes a second or two) run on a worker thread, never on the event loop."""
+        engine = await self._aengine()
+
+        def prepare() -> tuple[Any, list[dict] | None]:
+            prompt, params, tools = build(*args)
+            return engine.engine.process_inputs(prompt, params), tools
+
+        group, tools = await asyncio.to_thread(prepare)
+        stream = engine.submit(group, loop=asyncio.get_running_loop())
+        return _afollow(engine, stream), tools
 
     # -------------------------------------------------------------- completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        text_prompt, params = self._completion_request(prompt, formatted, kwargs, stream=False)
-        final = _last(self.engine.generate_sync(text_prompt, params))
-        return _completion_response(final)
+        outputs, _ = self._start(self._completion_request(prompt, formatted, kwargs, False))
+        return completion_response(_last(outputs))
 
     @llm_completion_callback()
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
-        text_prompt, params = self._completion_request(prompt, formatted, kwargs, stream=True)
-        outputs = self.engine.generate_sync(text_prompt, params)
-        return _stream_completions(iter(outputs))
+        outputs, _ = self._start(self._completion_request(prompt, formatted, kwargs, True))
+        deltas = Deltas()
+        return (completion_response(output, deltas) for output in outputs)
 
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        engine = await self._aengine()
-        text_prompt, params = self._completion_request(prompt, formatted, kwargs, stream=False)
-        return _completion_response(await _alast(engine.generate(text_prompt, params)))
+        outputs, _ = await self._astart(self._completion_request, prompt, formatted, kwargs, False)
+        return completion_response(await _alast(outputs))
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        engine = await self._aengine()
-        text_prompt, params = self._completion_request(prompt, formatted, kwargs, stream=True)
-        return _astream_completions(engine.generate(text_prompt, params))
+        outputs, _ = await self._astart(self._completion_request, prompt, formatted, kwargs, True)
+        deltas = Deltas()
+        return (completion_response(output, deltas) async for output in outputs)
 
     # -------------------------------------------------------------------- chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt, params, tools = self._chat_request(messages, kwargs, stream=False)
-        final = _last(self.engine.generate_sync(prompt, params))
-        return _chat_response(final, tools)
+        outputs, tools = self._start(self._chat_request(messages, kwargs, False))
+        return chat_response(_last(outputs), tools)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        prompt, params, tools = self._chat_request(messages, kwargs, stream=True)
-        outputs = self.engine.generate_sync(prompt, params)
-
-        def gen() -> ChatResponseGen:
-            deltas = _Deltas()
-            for output in outputs:
-                yield _chat_response(output, tools, deltas)
-
-        return gen()
+        outputs, tools = self._start(self._chat_request(messages, kwargs, True))
+        deltas = Deltas()
+        return (chat_response(output, tools, deltas) for output in outputs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        engine = await self._aengine()
-        prompt, params, tools = self._chat_request(messages, kwargs, stream=False)
-        return _chat_response(await _alast(engine.generate(prompt, params)), tools)
+        outputs, tools = await self._astart(self._chat_request, messages, kwargs, False)
+        return chat_response(await _alast(outputs), tools)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        engine = await self._aengine()
-        prompt, params, tools = self._chat_request(messages, kwargs, stream=True)
-        outputs = engine.generate(prompt, params)
-
-        async def gen() -> ChatResponseAsyncGen:
-            deltas = _Deltas()
-            async for output in outputs:
-                yield _chat_response(output, tools, deltas)
-
-        return gen()
+        outputs, tools = await self._astart(self._chat_request, messages, kwargs, True)
+        deltas = Deltas()
+        return (chat_response(output, tools, deltas) async for output in outputs)
 
     # -------------------------------------------------------- function calling
     def _prepare_chat_with_tools(
@@ -310,149 +324,87 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         allow_parallel_tool_calls: bool = False,
         **kwargs: Any,
     ) -> ChatResponse:
-        if allow_parallel_tool_calls:
-            return response
-        # One call was asked for: keep the first, as OpenAI-style integrations do.
-        calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
-        if len(calls) > 1:
-            response.message.blocks = [
-                b for b in response.message.blocks if not isinstance(b, ToolCallBlock)
-            ] + calls[:1]
-            response.message.additional_kwargs["tool_calls"] = response.message.additional_kwargs[
-                "tool_calls"
-            ][:1]
+        if not allow_parallel_tool_calls:
+            keep_first_tool_call(response.message)
         return response
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
     ) -> list[ToolSelection]:
-        selections = [
-            ToolSelection(
-                tool_id=block.tool_call_id or f"call_{uuid.uuid4().hex[:12]}",
-                tool_name=block.tool_name,
-                tool_kwargs=_as_kwargs(block.tool_kwargs),
-            )
-            for block in response.message.blocks
-            if isinstance(block, ToolCallBlock)
-        ]
-        if not selections:
-            for call in response.message.additional_kwargs.get("tool_calls") or []:
-                function = call["function"]
-                selections.append(
-                    ToolSelection(
-                        tool_id=call.get("id") or f"call_{uuid.uuid4().hex[:12]}",
-                        tool_name=function["name"],
-                        tool_kwargs=_as_kwargs(function.get("arguments") or {}),
-                    )
-                )
+        selections = tool_selections(response.message)
         if not selections and error_on_no_tool_call:
             raise ValueError(
-                f"expected at least one tool call, but the model answered with text: "
-                f"{(response.message.content or '')[:200]!r}"
+                "expected at least one tool call, but the model answered with text: "
+                f"{(response.message.content or '')[:200]!r}; pass tool_required=True (or "
+                "tool_choice) to force a call"
             )
         return selections
 
     # ------------------------------------------------------- structured output
-    def _structured_messages(
-        self, output_cls: type, prompt: PromptTemplate, llm_kwargs: dict | None, prompt_args: dict
+    def _structured_request(
+        self, output_cls: type, prompt: BasePromptTemplate, llm_kwargs: dict | None, args: dict
     ) -> tuple[list[ChatMessage], dict[str, Any]]:
-        messages = self._get_messages(prompt, **prompt_args)
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(
+                output_cls=output_cls, template=prompt, template_args=args
+            )
+        )
         kwargs = dict(llm_kwargs or {})
         kwargs["structured_outputs"] = StructuredOutputsParams(json=output_cls.model_json_schema())
-        return messages, kwargs
+        return self._get_messages(prompt, **args), kwargs
 
+    def _structured_result(self, output_cls: type, response: ChatResponse) -> Any:
+        if response.raw.get("finish_reason") == "length":
+            raise ValueError(
+                f"the {output_cls.__name__} JSON was cut off after max_new_tokens="
+                f"{response.raw['usage']['completion_tokens']} tokens; raise max_new_tokens "
+                "(or bound the schema's strings with max_length)"
+            )
+        result = output_cls.model_validate_json(response.message.content or "")
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
     def structured_predict(
         self,
         output_cls: type,
-        prompt: PromptTemplate,
+        prompt: BasePromptTemplate,
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> Any:
-        """An `output_cls` instance, decoded under the constraint of its JSON schema."""
-        messages, kwargs = self._structured_messages(output_cls, prompt, llm_kwargs, prompt_args)
-        response = self.chat(messages, **kwargs)
-        return output_cls.model_validate_json(response.message.content or "")
+        """An `output_cls` instance, decoded under the constraint of its JSON schema (the
+        engine's structured outputs), not parsed out of free text."""
+        messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
+        return self._structured_result(output_cls, self.chat(messages, **kwargs))
 
+    @dispatcher.span
     async def astructured_predict(
         self,
         output_cls: type,
-        prompt: PromptTemplate,
+        prompt: BasePromptTemplate,
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> Any:
-        messages, kwargs = self._structured_messages(output_cls, prompt, llm_kwargs, prompt_args)
-        response = await self.achat(messages, **kwargs)
-        return output_cls.model_validate_json(response.message.content or "")
+        messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
+        return self._structured_result(output_cls, await self.achat(messages, **kwargs))
 
 
-# ---------------------------------------------------------------- conversions
-def to_openai_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """LlamaIndex messages as OpenAI chat dicts (what chat templates and tool_calls read)."""
-    converted = []
-    for message in messages:
-        role = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
-        role = _ROLES.get(role, role)
-        texts, calls = [], []
-        for block in message.blocks:
-            if isinstance(block, TextBlock):
-                texts.append(block.text)
-            elif isinstance(block, ToolCallBlock):
-                calls.append(
-                    {
-                        "id": block.tool_call_id or f"call_{uuid.uuid4().hex[:12]}",
-                        "type": "function",
-                        "function": {"name": block.tool_name, "arguments": _as_json(block)},
-                    }
-                )
-            elif block.block_type in ("image", "audio", "video", "document"):
-                raise ValueError(
-                    f"a {block.block_type} block was given, but pagedllm serves text-only "
-                    "models: send text"
-                )
-            # Thinking blocks, cache points and citations carry nothing for the template.
-        entry: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
-        if role == "assistant":
-            calls = calls or [
-                _openai_call(c) for c in message.additional_kwargs.get("tool_calls") or []
-            ]
-            if calls:
-                entry["tool_calls"] = calls
-        if role == "tool":
-            entry["tool_call_id"] = message.additional_kwargs.get("tool_call_id")
-            if "name" in message.additional_kwargs:
-                entry["name"] = message.additional_kwargs["name"]
-        converted.append(entry)
-    return converted
-
-
-def _openai_call(call: Any) -> dict[str, Any]:
-    if hasattr(call, "model_dump"):  # an OpenAI SDK object
-        call = call.model_dump()
-    function = dict(call["function"])
-    if not isinstance(function.get("arguments"), str):
-        function["arguments"] = json.dumps(function.get("arguments") or {})
-    return {"id": call.get("id"), "type": "function", "function": function}
-
-
-def _as_json(block: ToolCallBlock) -> str:
-    kwargs = block.tool_kwargs
-    return kwargs if isinstance(kwargs, str) else json.dumps(kwargs)
-
-
-def _as_kwargs(arguments: dict | str) -> dict[str, Any]:
-    if isinstance(arguments, dict):
-        return arguments
+def _follow(engine: AsyncEngine, stream: RequestStream) -> Iterator[RequestOutput]:
+    """A request's outputs; abandoning the iterator aborts the request."""
     try:
-        parsed = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+        yield from stream
+    finally:
+        if not stream.finished:
+            engine.abort(stream.request_id)
 
 
-def _as_list(stop: list[str] | str | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
+async def _afollow(engine: AsyncEngine, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        if not stream.finished:
+            engine.abort(stream.request_id)
 
 
 def _last(outputs: Iterator[RequestOutput]) -> RequestOutput:
@@ -471,108 +423,7 @@ async def _alast(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-def _raw(output: RequestOutput, generated: int) -> dict[str, Any]:
-    """The request's id, and once it ends: finish reason, token usage, prefix-cache hits."""
-    raw: dict[str, Any] = {"request_id": output.request_id}
-    if output.finished:
-        prompt_tokens = len(output.prompt_token_ids)
-        raw["finish_reason"] = output.outputs[0].finish_reason
-        raw["num_cached_tokens"] = output.num_cached_tokens
-        raw["usage"] = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": generated,
-            "total_tokens": prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
-        }
-    return raw
-
-
-def _logprobs(output: RequestOutput) -> list[list[LogProb]] | None:
-    entries = output.outputs[0].logprobs
-    if entries is None:
-        return None
-    return [
-        [
-            LogProb(token=lp.decoded_token or "", logprob=lp.logprob)
-            for lp in sorted(position.values(), key=lambda lp: lp.rank)
-        ]
-        for position in entries
-    ]
-
-
-class _Deltas:
-    """Adds up a DELTA stream: the text so far and how many tokens were generated."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.num_tokens = 0
-
-    def add(self, output: RequestOutput) -> str:
-        completion = output.outputs[0]
-        self.text += completion.text
-        self.num_tokens += len(completion.token_ids)
-        return completion.text
-
-
-def _completion_response(output: RequestOutput) -> CompletionResponse:
-    completion = output.outputs[0]
-    return CompletionResponse(
-        text=completion.text,
-        raw=_raw(output, len(completion.token_ids)),
-        logprobs=_logprobs(output),
-    )
-
-
-def _completion_chunk(output: RequestOutput, deltas: _Deltas) -> CompletionResponse:
-    delta = deltas.add(output)
-    return CompletionResponse(
-        text=deltas.text,
-        delta=delta,
-        raw=_raw(output, deltas.num_tokens),
-        logprobs=_logprobs(output),
-    )
-
-
-def _stream_completions(outputs: Iterator[RequestOutput]) -> CompletionResponseGen:
-    deltas = _Deltas()
-    for output in outputs:
-        yield _completion_chunk(output, deltas)
-
-
-async def _astream_completions(outputs: AsyncIterator[RequestOutput]) -> CompletionResponseAsyncGen:
-    deltas = _Deltas()
-    async for output in outputs:
-        yield _completion_chunk(output, deltas)
-
-
-def _chat_response(
-    output: RequestOutput,
-    tools: list[dict] | None,
-    deltas: _Deltas | None = None,
-) -> ChatResponse:
-    """An assistant message; once the request ends with tools on offer, its tool calls."""
-    if deltas is None:
-        text, delta, generated = output.outputs[0].text, None, len(output.outputs[0].token_ids)
-    else:
-        delta = deltas.add(output)
-        text, generated = deltas.text, deltas.num_tokens
-    additional: dict[str, Any] = {}
-    blocks: list[Any] = []
-    if tools and output.finished:
-        from .engine.tool_calls import parse_tool_calls
-
-        text, calls = parse_tool_calls(text, tools)
-        blocks = [
-            ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
-            for c in calls
-        ]
-        if calls:
-            additional["tool_calls"] = [c.to_openai() for c in calls]
-    message = ChatMessage(
-        role=MessageRole.ASSISTANT,
-        blocks=[TextBlock(text=text), *blocks],
-        additional_kwargs=additional,
-    )
-    return ChatResponse(
-        message=message, delta=delta, raw=_raw(output, generated), logprobs=_logprobs(output)
-    )
+def _as_list(stop: list[str] | str | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
