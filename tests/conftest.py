@@ -45,8 +45,9 @@ def default_llm():
 @pytest.fixture(scope="session")
 def hf_default_model():
     """transformers reading the same GGUF file on its own: an independent reference."""
-    from pagedllm_integrations.engine.model_loader import default_model_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm_integrations.engine.model_loader import default_model_path
 
     path = default_model_path()
     folder, name = str(path.parent), path.name

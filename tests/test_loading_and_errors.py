@@ -59,7 +59,7 @@ def test_hub_id_resolves_from_the_local_cache_offline(tmp_path, tiny_llama_dir):
 
 def test_hub_id_neither_cached_nor_reachable_names_the_id(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match="'meta-llama/Llama-3.2-1B-Instruct'"):
+    with pytest.raises(ValueError, match=r"'meta-llama/Llama-3\.2-1B-Instruct'"):
         resolve_model("meta-llama/Llama-3.2-1B-Instruct", download_dir=str(tmp_path))
 
 
