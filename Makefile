@@ -44,5 +44,8 @@ format: install
 bench: install
 	$(BIN)/python benchmarks/throughput.py
 
+docs: install
+	$(BIN)/python docs/build.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache

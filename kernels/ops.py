@@ -12,6 +12,7 @@ from . import reference
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' means Triton for CUDA tensors and the torch reference for everything else."""
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if backend not in ("torch", "triton"):
@@ -27,6 +28,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
     backend: str = "auto",
 ) -> None:
+    """Write the new keys and values of a step into their cache slots (slot -1 is skipped)."""
     if resolve_backend(backend, k.device) == "triton":
         from .reshape_and_cache_triton import reshape_and_cache_triton
 
@@ -49,6 +51,11 @@ def paged_attention(
     max_seqlen_k: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged keys and values.
+
+    One call serves a whole flat batch: prefills with a cached prefix and decodes mixed.
+    See `kernels/reference.py` for the index picture. Writes and returns `out`.
+    """
     if resolve_backend(backend, q.device) == "triton":
         from .paged_attention_triton import paged_attention_triton
 
