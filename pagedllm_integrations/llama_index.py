@@ -49,7 +49,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         'PagedLlamaIndexLLM needs llama-index-core: pip install "pagedllm[llama-index]"'
     ) from error
 
-from .engine.async_engine import AsyncEngine, RequestStream, shared_engine
+from .engine.async_engine import AsyncEngine, shared_engine
 from .engine.config import EngineConfig
 from .engine.llm_engine import PromptType
 from .engine.outputs import RequestOutput
@@ -57,9 +57,14 @@ from .engine.sampling_params import RequestOutputKind, SamplingParams, Structure
 from .engine.tool_calls import render_chat_prompt, tool_call_constraint
 from .llama_index_convert import (
     Deltas,
+    PartialObject,
+    afollow,
+    alast,
     chat_response,
     completion_response,
+    follow,
     keep_first_tool_call,
+    last,
     to_openai_messages,
     tool_selections,
 )
@@ -177,7 +182,9 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         if "max_new_tokens" in kwargs:
             values["max_tokens"] = kwargs["max_new_tokens"]
         # The instance's stop strings always apply; a call's own are added to them.
-        values["stop"] = [*(self.stop or []), *_as_list(values.get("stop"))]
+        call_stop = values.get("stop") or []
+        call_stop = [call_stop] if isinstance(call_stop, str) else list(call_stop)
+        values["stop"] = [*(self.stop or []), *call_stop]
         if kwargs.get("structured_outputs") is not None:
             values["structured_outputs"] = kwargs["structured_outputs"]
         if values.get("n", 1) != 1:
@@ -219,7 +226,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         """Submit now (bad input raises here, in the caller); outputs as they come."""
         prompt, params, tools = request
         stream = self.engine.add_request(prompt, params)
-        return _follow(self.engine, stream), tools
+        return follow(self.engine, stream), tools
 
     async def _astart(
         self, build: Callable[..., tuple], *args: Any
@@ -234,13 +241,13 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
 
         group, tools = await asyncio.to_thread(prepare)
         stream = engine.submit(group, loop=asyncio.get_running_loop())
-        return _afollow(engine, stream), tools
+        return afollow(engine, stream), tools
 
     # -------------------------------------------------------------- completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         outputs, _ = self._start(self._completion_request(prompt, formatted, kwargs, False))
-        return completion_response(_last(outputs))
+        return completion_response(last(outputs))
 
     @llm_completion_callback()
     def stream_complete(
@@ -255,7 +262,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         outputs, _ = await self._astart(self._completion_request, prompt, formatted, kwargs, False)
-        return completion_response(await _alast(outputs))
+        return completion_response(await alast(outputs))
 
     @llm_completion_callback()
     async def astream_complete(
@@ -269,7 +276,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         outputs, tools = self._start(self._chat_request(messages, kwargs, False))
-        return chat_response(_last(outputs), tools)
+        return chat_response(last(outputs), tools)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -280,7 +287,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         outputs, tools = await self._astart(self._chat_request, messages, kwargs, False)
-        return chat_response(await _alast(outputs), tools)
+        return chat_response(await alast(outputs), tools)
 
     @llm_chat_callback()
     async def astream_chat(
@@ -341,14 +348,9 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         return selections
 
     # ------------------------------------------------------- structured output
-    def _structured_request(
+    def _schema_request(
         self, output_cls: type, prompt: BasePromptTemplate, llm_kwargs: dict | None, args: dict
     ) -> tuple[list[ChatMessage], dict[str, Any]]:
-        dispatcher.event(
-            LLMStructuredPredictStartEvent(
-                output_cls=output_cls, template=prompt, template_args=args
-            )
-        )
         kwargs = dict(llm_kwargs or {})
         kwargs["structured_outputs"] = StructuredOutputsParams(json=output_cls.model_json_schema())
         return self._get_messages(prompt, **args), kwargs
@@ -374,7 +376,12 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     ) -> Any:
         """An `output_cls` instance, decoded under the constraint of its JSON schema (the
         engine's structured outputs), not parsed out of free text."""
-        messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(
+                output_cls=output_cls, template=prompt, template_args=prompt_args
+            )
+        )
+        messages, kwargs = self._schema_request(output_cls, prompt, llm_kwargs, prompt_args)
         return self._structured_result(output_cls, self.chat(messages, **kwargs))
 
     @dispatcher.span
@@ -385,45 +392,35 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> Any:
-        messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(
+                output_cls=output_cls, template=prompt, template_args=prompt_args
+            )
+        )
+        messages, kwargs = self._schema_request(output_cls, prompt, llm_kwargs, prompt_args)
         return self._structured_result(output_cls, await self.achat(messages, **kwargs))
 
+    # stream_structured_predict / astream_structured_predict call these two. LlamaIndex's own
+    # versions go through a tool call without forcing it; constrained JSON is surer.
+    def _structured_stream_call(
+        self,
+        output_cls: type,
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Iterator[Any]:
+        messages, kwargs = self._schema_request(output_cls, prompt, llm_kwargs, prompt_args)
+        partial = PartialObject(output_cls, self)
+        return (partial.update(response) for response in self.stream_chat(messages, **kwargs))
 
-def _follow(engine: AsyncEngine, stream: RequestStream) -> Iterator[RequestOutput]:
-    """A request's outputs; abandoning the iterator aborts the request."""
-    try:
-        yield from stream
-    finally:
-        if not stream.finished:
-            engine.abort(stream.request_id)
-
-
-async def _afollow(engine: AsyncEngine, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-    try:
-        async for output in stream:
-            yield output
-    finally:
-        if not stream.finished:
-            engine.abort(stream.request_id)
-
-
-def _last(outputs: Iterator[RequestOutput]) -> RequestOutput:
-    final = None
-    for output in outputs:
-        final = output
-    assert final is not None, "a request always ends with a final output"
-    return final
-
-
-async def _alast(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = None
-    async for output in outputs:
-        final = output
-    assert final is not None, "a request always ends with a final output"
-    return final
-
-
-def _as_list(stop: list[str] | str | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
+    async def _structured_astream_call(
+        self,
+        output_cls: type,
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> AsyncIterator[Any]:
+        messages, kwargs = self._schema_request(output_cls, prompt, llm_kwargs, prompt_args)
+        partial = PartialObject(output_cls, self)
+        responses = await self.astream_chat(messages, **kwargs)
+        return (partial.update(response) async for response in responses)

@@ -1,10 +1,11 @@
 """Conversions for PagedLlamaIndexLLM: LlamaIndex messages to OpenAI chat dicts (what the chat
-template and the tool-call code read), and engine outputs to LlamaIndex responses."""
+template and the tool-call code read), engine outputs to LlamaIndex responses, and the
+streams between them (abandoning one aborts its request)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -17,7 +18,9 @@ from llama_index.core.base.llms.types import (
     ToolCallBlock,
 )
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.program.utils import process_streaming_objects
 
+from .engine.async_engine import AsyncEngine, RequestStream
 from .engine.outputs import RequestOutput
 from .engine.tool_calls import new_call_id, parse_tool_calls
 
@@ -214,3 +217,52 @@ def chat_response(
     return ChatResponse(
         message=message, delta=delta, raw=raw_info(output, generated), logprobs=_logprobs(output)
     )
+
+
+# ------------------------------------------------------------------- streams
+class PartialObject:
+    """The object so far, parsed from the JSON text streamed so far (fields may be None)."""
+
+    def __init__(self, output_cls: type, llm: Any) -> None:
+        self.output_cls, self.llm, self.current = output_cls, llm, None
+
+    def update(self, response: ChatResponse) -> Any:
+        obj = process_streaming_objects(
+            response, self.output_cls, cur_objects=self.current, flexible_mode=True, llm=self.llm
+        )
+        self.current = [obj]
+        return obj
+
+
+def follow(engine: AsyncEngine, stream: RequestStream) -> Iterator[RequestOutput]:
+    """A request's outputs; abandoning the iterator aborts the request."""
+    try:
+        yield from stream
+    finally:
+        if not stream.finished:
+            engine.abort(stream.request_id)
+
+
+async def afollow(engine: AsyncEngine, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        if not stream.finished:
+            engine.abort(stream.request_id)
+
+
+def last(outputs: Iterator[RequestOutput]) -> RequestOutput:
+    final = None
+    for output in outputs:
+        final = output
+    assert final is not None, "a request always ends with a final output"
+    return final
+
+
+async def alast(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for output in outputs:
+        final = output
+    assert final is not None, "a request always ends with a final output"
+    return final

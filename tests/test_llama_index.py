@@ -373,3 +373,60 @@ def test_astructured_predict_uses_the_schema(llm) -> None:
         )
     )
     assert isinstance(result, Rental) and result.price_per_day == 15
+
+
+def test_stream_structured_predict_streams_partial_objects(llm) -> None:
+    prompt = PromptTemplate("Describe the bicycle rental offer as JSON. {context}")
+    partials = list(
+        llm.model_copy(update={"max_new_tokens": 64}).stream_structured_predict(
+            Rental, prompt, context="A mountain bike costs 25 euros per day."
+        )
+    )
+    assert len(partials) > 5  # one per streamed chunk, not one at the end
+    final = partials[-1]
+    assert isinstance(final, Rental) and final.price_per_day == 25
+    # Early partials have fewer fields filled in than the final object.
+    assert sum(v is not None for v in partials[1].model_dump().values()) < 3
+
+
+def test_instance_and_call_stop_strings_both_apply(llm) -> None:
+    stopping = llm.model_copy(update={"stop": ["\n"], "max_new_tokens": 32})
+    prompt = "Colours: red, green, blue, yellow"
+    reference = (
+        llm.engine.add_request(
+            prompt, SamplingParams(temperature=0, max_tokens=32, stop=["\n", ","])
+        )
+        .result()
+        .outputs[0]
+    )
+    response = stopping.complete(prompt, stop=[","])
+    assert response.text == reference.text
+    assert response.raw["finish_reason"] == "stop" and "," not in response.text
+
+
+def test_abandoned_streams_abort_their_requests(llm) -> None:
+    engine = llm.engine
+
+    def idle() -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not engine.call(engine.engine.has_unfinished_requests):
+                return True
+            time.sleep(0.05)
+        return False
+
+    stream = llm.stream_complete("Tell me a very long story.", max_tokens=500)
+    next(stream)
+    stream.close()
+    assert idle()
+
+    async def abandon() -> None:
+        chunks = await llm.astream_chat(
+            [ChatMessage(role="user", content="Tell me a very long story.")], max_tokens=500
+        )
+        async for _ in chunks:
+            break
+        await chunks.aclose()
+
+    asyncio.run(abandon())
+    assert idle()
