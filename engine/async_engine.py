@@ -207,6 +207,7 @@ class AsyncEngine:
             self._stopped = True
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     def __enter__(self) -> AsyncEngine:
         return self

@@ -79,15 +79,25 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
         self.eos_token_ids = self._eos_token_ids(source.folder)
-        self.model = LlamaForCausalLM(
-            self.model_config,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            make_linear=self._linear_factory(hf_config, source.folder),
-        )
-        self.model.load_weights(iter_weights(source.folder))
-        self.model.eval()
+        self.tp = None  # the tensor-parallel runner (rank 0 here, ranks 1..k-1 spawned)
+        if config.tensor_parallel_size > 1:
+            from .distributed.tp_runner import TPModelRunner
+
+            self.tp = TPModelRunner.launch(
+                config, str(source.folder), hf_config, self.model_config, self.dtype,
+                self.device, self.max_model_len, self._linear_factory(hf_config, source.folder),
+            )  # fmt: skip
+            self.model = self.tp.model  # rank 0's shard
+        else:
+            self.model = LlamaForCausalLM(
+                self.model_config,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                make_linear=self._linear_factory(hf_config, source.folder),
+            )
+            self.model.load_weights(iter_weights(source.folder))
+            self.model.eval()
         self.vocab_size = self.model_config.vocab_size
 
         block_size = config.block_size
@@ -118,14 +128,19 @@ class LLMEngine:
             policy=config.scheduling_policy,
             num_swap_blocks=num_swap_blocks,
         )
-        self.runner = ModelRunner(
-            self.model,
-            self.num_blocks,
-            block_size,
-            self.device,
-            attention_backend=config.attention_backend,
-            num_swap_blocks=num_swap_blocks,
-        )
+        if self.tp is not None:
+            self.runner = self.tp.allocate(
+                self.num_blocks, block_size, config.attention_backend, num_swap_blocks
+            )
+        else:
+            self.runner = ModelRunner(
+                self.model,
+                self.num_blocks,
+                block_size,
+                self.device,
+                attention_backend=config.attention_backend,
+                num_swap_blocks=num_swap_blocks,
+            )
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
         self.groups: dict[str, RequestGroup] = {}
         self.counters = EngineCounters()
@@ -197,6 +212,13 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.model, block_size, self.dtype)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda" and self.tp is not None:
+            num_blocks = self.tp.profile_num_blocks(
+                per_block,
+                min(self.max_num_batched_tokens, self.max_model_len),
+                self.config.block_size,
+                self.config.gpu_memory_utilization,
+            )
         elif self.device.type == "cuda":
             num_blocks = self._profile_gpu_blocks(per_block)
         else:
@@ -553,6 +575,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Release what outlives the object: the tensor-parallel ranks, if any."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs

@@ -1,0 +1,1 @@
+"""Beyond one device: tensor parallelism over torch.distributed, data-parallel Ray replicas."""

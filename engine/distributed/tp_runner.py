@@ -1,0 +1,360 @@
+"""The driver side of tensor parallelism: rank 0 in the engine's process, ranks 1..k-1 spawned.
+
+    LLMEngine (scheduler, KV cache manager, sampler)        driver process = rank 0
+      TPModelRunner.execute(out, block_ids)
+        prepare() -> flat batch
+        broadcast_object_list(header) + broadcast(packed)  ---> ranks 1..k-1 (tp_worker._serve)
+        forward on rank 0's shard   <-- all-reduce per attention and per MLP output -->
+        lm_head on rank 0 only -> logits [N, vocab]
+
+Lifecycle: `launch` starts the ranks and waits until every one has loaded its shard,
+`allocate` makes every rank's KV cache ([num_blocks, block_size, Hkv/k, D] per layer),
+`shutdown` stops them. A monitor thread watches the rank processes: if one dies, the others
+are killed, and every later `execute` raises, so the engine fails its requests cleanly
+instead of hanging on a collective with a dead peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..config import EngineConfig
+from ..model_runner import ModelRunner
+from ..models.layers import LinearFactory
+from ..models.llama import LlamaConfig, LlamaForCausalLM
+from ..scheduler import SchedulerOutput
+from .tp_layers import check_tensor_parallel
+from .tp_worker import (
+    COLLECTIVE_TIMEOUT,
+    RankSpec,
+    build_shard,
+    min_over_ranks,
+    pack_step,
+    profile_kv_blocks,
+    rank_device,
+    worker_main,
+)
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT = 600.0  # seconds for every rank to start and load its shard
+_last_launched: weakref.ref | None = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPModelRunner(ModelRunner):
+    """A ModelRunner whose model is rank 0's shard; `execute` drives every rank each step."""
+
+    def __init__(self) -> None:  # use TPModelRunner.launch
+        self.model: LlamaForCausalLM
+        self.world = 1
+        self.dist_backend = "gloo"
+        self.backend = "auto"  # the attention backend, as ModelRunner names it
+        self.processes: list[mp.Process] = []
+        self.kv_caches = []
+        self.swap_space = []
+        self._dead: str | None = None
+        self._closing = False
+        self._group_up = False
+        self._allocated = False
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- startup
+    @classmethod
+    def launch(
+        cls,
+        config: EngineConfig,
+        folder: str,
+        hf_config: dict,
+        model_config: LlamaConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        base_factory: LinearFactory,
+    ) -> TPModelRunner:
+        """Start ranks 1..k-1, join them as rank 0, load every shard; raise if any fails."""
+        global _last_launched
+        world = config.tensor_parallel_size
+        check_tensor_parallel(model_config, world)
+        previous = _last_launched() if _last_launched is not None else None
+        if previous is not None and not previous._allocated:
+            previous.shutdown()  # its engine failed after launch (e.g. a KV budget error)
+        if dist.is_initialized():
+            raise ValueError(
+                "tensor_parallel_size > 1 needs this process's torch.distributed default group, "
+                "but one is already initialized (another tensor-parallel engine is running here?); "
+                "shut that engine down first"
+            )
+        if device.type == "cuda":
+            first = device.index or 0
+            if first + world > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size {world} on cuda:{first} needs GPUs {first}.."
+                    f"{first + world - 1}, but only {torch.cuda.device_count()} are visible"
+                )
+        backend = os.environ.get("PAGEDLLM_TP_BACKEND") or (
+            "nccl" if device.type == "cuda" else "gloo"
+        )
+        self = cls()
+        self.world, self.dist_backend, self.device = world, backend, device
+        threads = None
+        if device.type == "cpu":  # k ranks share the cores: do not oversubscribe them
+            threads = max(1, (os.cpu_count() or 1) // world)
+        port = _free_port()
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+            wait_for_workers=False,
+        )  # fmt: skip
+        self._store = store
+        context = mp.get_context("spawn")
+        base_spec = dict(
+            world=world,
+            backend=backend,
+            store_host="127.0.0.1",
+            store_port=port,
+            folder=str(folder),
+            hf_config=hf_config,
+            model_config=model_config,
+            dtype=dtype,
+            device=str(device),
+            max_model_len=max_model_len,
+            parent_pid=os.getpid(),
+            num_threads=threads,
+        )
+        try:
+            for rank in range(1, world):
+                process = context.Process(
+                    target=worker_main,
+                    args=(RankSpec(rank=rank, **base_spec),),
+                    name=f"pagedllm-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                self.processes.append(process)
+            self._wait_for("alive")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                backend, store=store, rank=0, world_size=world, timeout=COLLECTIVE_TIMEOUT
+            )
+            self._group_up = True
+            self.model = build_shard(RankSpec(rank=0, **base_spec), device, base_factory)
+            self._wait_for("loaded")
+        except BaseException:
+            self._teardown()
+            raise
+        threading.Thread(target=self._monitor, name="pagedllm-tp-monitor", daemon=True).start()
+        _last_launched = weakref.ref(self)
+        logger.info("tensor parallel: %d ranks (%s) on %s", world, backend, device)
+        return self
+
+    def _wait_for(self, stage: str) -> None:
+        """Until every worker rank has set `<stage>/<rank>`; a rank that fails ends the wait."""
+        deadline = time.monotonic() + _STARTUP_TIMEOUT
+        pending = set(range(1, self.world))
+        while pending:
+            for rank in sorted(pending):
+                if self._store.check([f"error/{rank}"]):
+                    message = self._store.get(f"error/{rank}").decode(errors="replace")
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} failed to start:\n{message.strip()}"
+                    )
+                if self._store.check([f"{stage}/{rank}"]):
+                    pending.discard(rank)
+                elif not self.processes[rank - 1].is_alive():
+                    code = self.processes[rank - 1].exitcode
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited (code {code}) before it was {stage}"
+                    )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks {sorted(pending)} not {stage} in time")
+            time.sleep(0.05)
+
+    def _broadcast_header(self, header: dict) -> None:
+        box = [header]
+        dist.broadcast_object_list(
+            box, src=0, device=self.device if self.dist_backend == "nccl" else None
+        )
+
+    def allocate(
+        self,
+        num_blocks: int,
+        block_size: int,
+        attention_backend: str = "auto",
+        num_swap_blocks: int = 0,
+    ) -> TPModelRunner:
+        """Make every rank's KV cache and swap space (this rank's through ModelRunner)."""
+        self._check_alive()
+        header = dict(
+            op="allocate",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            backend=attention_backend,
+            num_swap_blocks=num_swap_blocks,
+        )
+        self._guarded(lambda: self._broadcast_header(header))
+        ModelRunner.__init__(
+            self,
+            self.model,
+            num_blocks,
+            block_size,
+            self.device,
+            attention_backend=attention_backend,
+            num_swap_blocks=num_swap_blocks,
+        )
+        self._allocated = True
+        return self
+
+    def profile_num_blocks(
+        self, per_block: int, tokens: int, block_size: int, gpu_memory_utilization: float
+    ) -> int:
+        """KV blocks per rank that fit on the fullest GPU after a warm-up forward (CUDA)."""
+        self._check_alive()
+        args = dict(
+            tokens=tokens,
+            block_size=block_size,
+            backend="auto",
+            per_block=per_block,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+
+        def run() -> int:
+            self._broadcast_header(dict(op="profile", args=args))
+            with torch.inference_mode():
+                blocks = profile_kv_blocks(self.model, self.device, **args)
+            return min_over_ranks(blocks, self.device)
+
+        return self._guarded(run)
+
+    # ------------------------------------------------------------------- steps
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, block_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run one step on every rank; returns logits [N, vocab] (float32) and their rows."""
+        self._check_alive()
+        input_ids, positions, meta, logits_indices, sampled_rows = self.prepare(out, block_ids)
+        fields, packed = pack_step(input_ids, positions, meta)
+        header = dict(
+            op="execute",
+            backend=self.backend,  # the attention backend (ModelRunner's name for it)
+            swap_out=out.swap_out,
+            swap_in=out.swap_in,
+            **fields,
+        )
+
+        def run() -> torch.Tensor:
+            self._broadcast_header(header)
+            dist.broadcast(packed, src=0)
+            self._swap(out)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            return self.model.compute_logits(hidden[logits_indices])
+
+        return self._guarded(run), sampled_rows
+
+    def _guarded(self, run):
+        """Run a collective section; any failure in it leaves the ranks out of step: the
+        group is torn down and the error re-raised (the engine fails the step's requests)."""
+        try:
+            return run()
+        except BaseException as error:
+            # A collective that failed because a rank died: name the rank, not the socket.
+            deadline = time.monotonic() + 1.0
+            while self._dead is None and time.monotonic() < deadline:
+                if any(not p.is_alive() for p in self.processes):
+                    time.sleep(0.05)  # the monitor is about to record which one
+                else:
+                    break
+            self._mark_dead(f"tensor-parallel step failed: {type(error).__name__}: {error}")
+            self._teardown()
+            raise RuntimeError(
+                f"{self._dead}; the tensor-parallel group is gone, restart the engine"
+            ) from error
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            self._teardown()  # on the engine thread, the one that owns the group
+            raise RuntimeError(
+                f"{self._dead}; the tensor-parallel group is gone, restart the engine"
+            )
+
+    # --------------------------------------------------------------- shutdown
+    def _monitor(self) -> None:
+        sentinels = {p.sentinel: p for p in self.processes}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._closing:
+            return
+        process = sentinels[ready[0]]
+        process.join(timeout=1)
+        self._mark_dead(f"tensor-parallel {process.name} died (exit code {process.exitcode})")
+        logger.error("%s; stopping the other ranks", self._dead)
+        self._kill_workers()
+        if self.dist_backend == "nccl":  # NCCL collectives do not notice dead peers: abort them
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception:  # best effort; the engine thread may be blocked in it
+                    logger.exception("could not abort the NCCL group")
+
+    def _mark_dead(self, message: str) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = message
+
+    def _kill_workers(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+
+    def _teardown(self) -> None:
+        self._closing = True  # the monitor must not report the deaths we cause
+        self._kill_workers()
+        with self._lock:
+            group_up, self._group_up = self._group_up, False
+        if group_up and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                logger.exception("destroying the tensor-parallel group failed")
+
+    def shutdown(self) -> None:
+        """Stop every rank (politely first) and leave the process group. Idempotent."""
+        if self._group_up and self._dead is None and not self._closing:
+            self._closing = True
+            try:
+                self._broadcast_header(dict(op="shutdown"))
+                for process in self.processes:
+                    process.join(timeout=10)
+            except Exception:
+                logger.exception("tensor-parallel shutdown message failed; killing the ranks")
+        self._closing = True
+        self._teardown()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.pid is not None]
+
+    @staticmethod
+    def rank_device(device: torch.device, rank: int) -> torch.device:
+        return rank_device(device, rank)
