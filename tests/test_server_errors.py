@@ -240,6 +240,35 @@ def test_queue_over_limit_is_503_and_recovers(server, http, engine):
     assert engine.num_free_blocks() == engine.engine.num_blocks
 
 
+def test_client_leaving_a_plain_request_aborts_it(server, http, engine):
+    app_state = server.app.state.server
+    body = {"prompt": "Tell a long story:", "max_tokens": 400, "ignore_eos": True}
+    aborted_before = aborted_count(http)
+    with pytest.raises(httpx.ReadTimeout):
+        http.post(COMPLETIONS, json=body, timeout=1.5)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+        app_state.in_flight or engine.num_free_blocks() != engine.engine.num_blocks
+    ):
+        time.sleep(0.1)
+    assert app_state.in_flight == 0
+    assert engine.num_free_blocks() == engine.engine.num_blocks
+    assert aborted_count(http) == aborted_before + 1  # aborted, not run to its end
+
+
+def aborted_count(http: httpx.Client) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if (
+                sample.name.endswith("request_success_total")
+                and sample.labels["finished_reason"] == "abort"
+            ):
+                return sample.value
+    return 0.0
+
+
 def test_server_still_answers(http):
     response = http.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 2, "model": MODEL})
     assert response.status_code == 200

@@ -298,6 +298,8 @@ def test_llama_index_openai_like(server, engine):
     text, _, _ = offline(engine, {"prompt_token_ids": chat_ids(engine, messages)}, max_tokens=8)
     reply = llm.chat([ChatMessage(role="user", content="Tell me a joke.")])
     assert reply.message.content == text
+    streamed = list(llm.stream_chat([ChatMessage(role="user", content="Tell me a joke.")]))
+    assert streamed[-1].message.content == text
 
 
 def test_metrics_parse_with_vllm_names(server, client):
