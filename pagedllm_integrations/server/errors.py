@@ -121,5 +121,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         logger.exception("unexpected error in %s %s", request.method, request.url.path)
         return error_response(
-            APIError(500, f"internal server error: {type(error).__name__}", type="server_error")
+            APIError(
+                500, f"internal server error: {type(error).__name__}: {error}", type="server_error"
+            )
         )

@@ -33,12 +33,12 @@ class GuardMiddleware:
         if self.expected is not None and scope.get("path") not in _OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                message = (
+                reason = (
                     "missing API key: send 'Authorization: Bearer <key>'"
                     if not given
                     else "invalid API key"
                 )
-                await _reply(send, 401, message, "authentication_error", "invalid_api_key",
+                await _reply(send, 401, reason, "authentication_error", "invalid_api_key",
                              extra_headers=[(b"www-authenticate", b"Bearer")])  # fmt: skip
                 return
         too_large = (
