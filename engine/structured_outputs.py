@@ -239,12 +239,15 @@ def schema_dict(schema: Any) -> dict:
 
 
 def tagged_json_grammar(
-    alternatives: Sequence[tuple[str, dict, str]], repeat_separator: str | None = None
+    alternatives: Sequence[tuple[str, dict, str]],
+    repeat_separator: str | None = None,
+    max_repeats: int | None = None,
 ) -> str:
     """An EBNF grammar (xgrammar's dialect) for `before + JSON + after`, one alternative.
 
     alternatives: (before, JSON schema, after) triples; the JSON is generated the same way as a
-    `json` constraint. With `repeat_separator`, one or more matches joined by that separator.
+    `json` constraint. With `repeat_separator`, one or more matches (at most `max_repeats`)
+    joined by that separator.
     Used for forced tool calls (engine/tool_calls.py). ValueError for a schema that cannot be
     compiled.
     """
@@ -282,7 +285,8 @@ def tagged_json_grammar(
     while any(line.startswith(f"{item} ::= ") for line in lines):
         item += "_"
     lines[tops[0]] = item + lines[tops[0]][len("root") :]
-    lines.append(f"root ::= {item} ({json.dumps(repeat_separator)} {item})*")
+    more = "*" if max_repeats is None else f"{{0, {max(int(max_repeats), 1) - 1}}}"
+    lines.append(f"root ::= {item} ({json.dumps(repeat_separator)} {item}){more}")
     return "\n".join(lines)
 
 

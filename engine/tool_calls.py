@@ -138,12 +138,17 @@ def _choice_mode(tool_choice: Any) -> str:
 
 # ---------------------------------------------------------------------- constraint
 def tool_call_constraint(
-    tools: list[dict] | None, tool_choice: Any, *, parallel_tool_calls: bool = False
+    tools: list[dict] | None,
+    tool_choice: Any,
+    *,
+    parallel_tool_calls: bool = False,
+    max_calls: int = 4,
 ) -> StructuredOutputsParams | None:
     """A grammar that forces tool calls, or None when the output stays free text.
 
     None for tool_choice "auto" / "none" / None. "required" / "any" / True: one call of any
-    defined tool (one or more, newline-separated, with parallel_tool_calls) whose arguments are
+    defined tool (with parallel_tool_calls: 1..max_calls calls, newline-separated; the bound
+    keeps a small model from repeating calls until max_tokens) whose arguments are
     valid against that tool's schema. A tool name or {"type": "function", "function":
     {"name": ...}}: a call of that tool. ValueError for an unknown tool name or no tools.
     """
@@ -170,7 +175,10 @@ def tool_call_constraint(
         )
         for t in normalized
     ]
-    grammar = tagged_json_grammar(alternatives, "\n" if parallel_tool_calls else None)
+    if parallel_tool_calls and max_calls > 1:
+        grammar = tagged_json_grammar(alternatives, "\n", max_calls)
+    else:
+        grammar = tagged_json_grammar(alternatives)
     return StructuredOutputsParams(grammar=grammar)
 
 

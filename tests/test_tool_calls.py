@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
+
 from pagedllm_integrations.engine.tool_calls import (
     ToolCall,
     normalize_tools,
@@ -238,3 +240,70 @@ def test_constraint_modes():
         tool_call_constraint(TOOLS, "delete_all")
     with pytest.raises(ValueError):
         tool_call_constraint([], "required")
+
+
+# ------------------------------------------------------------- on the default model
+def _forced_calls(llm, conversations, tools, choice, runs, **extra):
+    """`runs` samples for each conversation, all submitted as one batch."""
+    from pagedllm_integrations import SamplingParams
+
+    tokenizer = llm.get_tokenizer()
+    prompts = []
+    for messages in conversations:
+        prompt = render_chat_prompt(tokenizer, messages, tools, choice)
+        prompts.append({"prompt_token_ids": tokenizer(prompt, add_special_tokens=False).input_ids})
+    params = SamplingParams(
+        n=runs,
+        temperature=0.8,
+        seed=7,
+        max_tokens=150,
+        structured_outputs=tool_call_constraint(tools, choice, **extra),
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [sample for output in outputs for sample in output.outputs]
+
+
+def _check_calls(text, tools, allowed):
+    content, calls = parse_tool_calls(text, tools)
+    assert content == "" and calls, text
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in normalize_tools(tools)}
+    for call in calls:
+        assert call.name in allowed
+        jsonschema.validate(call.arguments, schemas[call.name])
+    return calls
+
+
+QUESTIONS = [
+    [{"role": "user", "content": "What is the weather in Paris?"}],
+    [{"role": "user", "content": "What is 17 plus 25?"}],
+]
+
+
+def test_required_tool_choice_always_gives_a_valid_call(default_llm):
+    names = set()
+    for sample in _forced_calls(default_llm, QUESTIONS, TOOLS, "required", 10):
+        assert sample.finish_reason == "stop", sample.text
+        calls = _check_calls(sample.text, TOOLS, {"get_weather", "add"})
+        assert len(calls) == 1
+        names.add(calls[0].name)
+    assert names == {"get_weather", "add"}  # the model, not the grammar, picks the tool
+
+
+def test_named_tool_is_forced(default_llm):
+    # The question is about the weather, but tool_choice names "add".
+    named = {"type": "function", "function": {"name": "add"}}
+    for sample in _forced_calls(default_llm, QUESTIONS[:1], TOOLS, named, 6):
+        assert sample.finish_reason == "stop"
+        assert [c.name for c in _check_calls(sample.text, TOOLS, {"add"})] == ["add"]
+
+
+def test_parallel_calls_and_a_tool_without_parameters(default_llm):
+    tools = [*TOOLS, {"name": "get_time", "description": "The current time"}]
+    messages = [{"role": "user", "content": "Weather in Rome and in Oslo, and the time?"}]
+    samples = _forced_calls(
+        default_llm, [messages], tools, "required", 6, parallel_tool_calls=True, max_calls=3
+    )
+    for sample in samples:
+        assert sample.finish_reason == "stop", sample.text
+        calls = _check_calls(sample.text, tools, {"get_weather", "add", "get_time"})
+        assert 1 <= len(calls) <= 3
