@@ -244,6 +244,41 @@ def test_tool_choice_required_returns_a_tool_call(client, stream):
     assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "London", "Tokyo")
 
 
+def test_tool_result_turn(client):
+    """The second turn of a tool loop: the call and its result go back in as messages."""
+    pytest.importorskip("pagedllm_integrations.engine.tool_calls")
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
+        ],
+        tools=[WEATHER_TOOL],
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+
+
+def test_langchain_bind_tools(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    pytest.importorskip("pagedllm_integrations.engine.tool_calls")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key="x", model=MODEL, temperature=0, max_tokens=64
+    )
+    message = llm.bind_tools([WEATHER_TOOL], tool_choice="any").invoke("Weather in Tokyo?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    assert message.tool_calls[0]["args"]["city"] in ("Paris", "London", "Tokyo")
+
+
 def test_response_format_json_schema_returns_valid_json(client):
     pytest.importorskip("pagedllm_integrations.engine.structured_outputs")
     schema = {
