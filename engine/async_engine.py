@@ -307,7 +307,12 @@ def shared_engine(config: EngineConfig) -> AsyncEngine:
     with _shared_lock:
         engine = _shared.get(key)
         if engine is None or engine._stopped:
-            engine = AsyncEngine(config)
+            if config.distributed_executor_backend == "ray":
+                from .distributed.ray_replicas import RayReplicaEngine
+
+                engine = RayReplicaEngine(config)
+            else:
+                engine = AsyncEngine(config)
             _shared[key] = engine
         return engine
 

@@ -41,6 +41,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     seed: int = 0
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas (needs distributed_executor_backend="ray")
+    distributed_executor_backend: str | None = None  # None | "mp" | "ray" (replicas on Ray)
     served_model_name: str | None = None
     disable_log_stats: bool = False
     log_stats_interval: float = 5.0
@@ -71,6 +73,18 @@ class EngineConfig:
             raise ValueError("swap_space must be >= 0 GiB")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be >= 1")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be None, 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.data_parallel_size > 1 and self.distributed_executor_backend != "ray":
+            raise ValueError(
+                f"data_parallel_size {self.data_parallel_size} runs replicas on Ray: also set "
+                "distributed_executor_backend='ray' (and pip install ray)"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -1,0 +1,155 @@
+"""One data-parallel replica: an AsyncEngine inside a Ray actor.
+
+The actor is an async actor; `generate` is an async generator that the client calls with
+`num_returns="streaming"`, so outputs flow back as they are made. Each yielded item is a
+list of every output ready at that moment (one object per batch, not per token, when the
+client falls behind). Failures are yielded as `ReplicaFailure` records, not raised: a
+raised error would look like a dead actor to the client, and a dead actor is what makes
+the client retry elsewhere.
+
+Ray is imported only by the client (`ray.remote(ReplicaActor)`); this module itself does
+not need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..async_engine import AsyncEngine
+from ..config import EngineConfig
+from ..metrics import IterationStats, SchedulerStats
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MAX_BUFFERED_STATS = 10_000
+
+
+@dataclass(slots=True)
+class ReplicaFailure:
+    """The replica refused or failed one request (the replica itself is fine)."""
+
+    kind: str  # "invalid" (ValueError: the caller's fault) | "failed"
+    message: str
+
+
+class _StatBuffer:
+    """A StatLogger that keeps the replica's per-step stats until the client drains them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[SchedulerStats, IterationStats]] = []
+
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        with self._lock:
+            self._items.append((scheduler, iteration))
+            del self._items[:-_MAX_BUFFERED_STATS]
+
+    def drain(self) -> list[tuple[SchedulerStats, IterationStats]]:
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+
+class ReplicaActor:
+    """Holds one engine (loaded in the constructor); every method is called through Ray."""
+
+    def __init__(self, config: EngineConfig, index: int):
+        self.index = index
+        self.engine = AsyncEngine(config)
+        self.stats = _StatBuffer()
+        self.engine.add_stat_logger(self.stats)
+
+    def info(self) -> dict[str, Any]:
+        core = self.engine.engine
+        return {
+            "index": self.index,
+            "model_name": core.model_name,
+            "max_model_len": core.max_model_len,
+            "vocab_size": core.vocab_size,
+            "eos_token_ids": list(core.eos_token_ids),
+            "block_size": core.config.block_size,
+            "num_blocks": core.num_blocks,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ):
+        """Stream lists of RequestOutputs (or one ReplicaFailure) for one request."""
+        loop = asyncio.get_running_loop()
+        try:
+            stream = self.engine.add_request(
+                prompt, params, request_id, priority, cache_salt, loop=loop
+            )
+        except ValueError as error:
+            yield [ReplicaFailure("invalid", str(error))]
+            return
+        ready: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for output in stream:
+                    ready.put_nowait(output)
+            except Exception as error:  # RequestError / EngineDeadError: the request failed
+                ready.put_nowait(ReplicaFailure("failed", f"{type(error).__name__}: {error}"))
+            ready.put_nowait(None)
+
+        task = loop.create_task(pump())
+        try:
+            while True:
+                batch = [await ready.get()]
+                while not ready.empty():
+                    batch.append(ready.get_nowait())
+                done = batch[-1] is None
+                items: list[RequestOutput | ReplicaFailure] = [b for b in batch if b is not None]
+                if items:
+                    yield items
+                if done:
+                    return
+        finally:
+            if not stream.finished:  # the client went away: free the blocks
+                self.engine.abort(request_id)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def counters(self) -> dict[str, Any]:
+        return self.engine.counters.snapshot()
+
+    # Methods that wait for the engine thread run off the actor's event loop, so that the
+    # streams of the other requests keep flowing meanwhile.
+    async def scheduler_stats(self) -> SchedulerStats:
+        return await asyncio.to_thread(self.engine.call, self.engine.engine.scheduler_stats)
+
+    def drain_stats(self) -> list[tuple[SchedulerStats, IterationStats]]:
+        return self.stats.drain()
+
+    async def num_free_blocks(self) -> int:
+        return await asyncio.to_thread(self.engine.num_free_blocks)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await asyncio.to_thread(self.engine.reset_prefix_cache)
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)

@@ -1,0 +1,413 @@
+"""Data-parallel replicas on Ray behind the AsyncEngine surface the integrations use.
+
+    caller threads / event loops
+      RayReplicaEngine.add_request -> validate + tokenize here (like AsyncEngine)
+        client event-loop thread: PrefixAwareRouter picks a replica
+          ReplicaActor.generate (num_returns="streaming") -> lists of RequestOutputs
+        -> the caller's RequestStream (sync or async iteration, .result())
+
+A replica that dies (actor killed, node lost) is replaced by a new actor; each request it
+held is retried once on another replica (see replica_job.py for how a stream resumes).
+
+`ray.init(address=...)` joins a running cluster (argument, else `$RAY_ADDRESS`); with
+neither, a local cluster is started for this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from ..async_engine import AsyncEngine, EngineDeadError, RequestError, RequestStream
+from ..config import EngineConfig
+from ..llm_engine import LLMEngine, RequestGroup
+from ..metrics import SchedulerStats
+from .ray_actor import ReplicaActor, ReplicaFailure
+from .replica_job import ReplicaJob
+from .router import PrefixAwareRouter
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT = 900.0
+_live_engines: set[int] = set()  # ids of RayReplicaEngines that started Ray and still run
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as error:
+        raise ValueError(
+            "data-parallel replicas need Ray: pip install 'ray>=2.40' on every node"
+        ) from error
+    return ray
+
+
+class _Front(LLMEngine):
+    """The driver-side half of `engine.engine`: validation, tokenization, chat templates.
+
+    It reuses LLMEngine's request checks (process_inputs) without a model; the facts those
+    need (vocabulary, context length, EOS ids) come from a replica.
+    """
+
+    def __init__(self, owner: RayReplicaEngine, config: EngineConfig, info: dict, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = info["model_name"]
+        self.max_model_len = info["max_model_len"]
+        self.vocab_size = info["vocab_size"]
+        self.eos_token_ids = tuple(info["eos_token_ids"])
+        self.device = torch.device("cpu")  # seeded generators live here only until sent
+        self._structured = None
+        self.stat_loggers: list = []
+        self.groups: dict = {}
+        self._owner = owner
+
+    @property
+    def counters(self):
+        return self._owner.counters
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """Every live replica's scheduler stats, summed (KV usage averaged)."""
+        stats = self._owner._on_replicas("scheduler_stats")
+        total = SchedulerStats()
+        for s in stats:
+            for f in dataclasses.fields(SchedulerStats):
+                if f.name != "kv_cache_usage":
+                    setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
+        total.kv_cache_usage = sum(s.kv_cache_usage for s in stats) / max(len(stats), 1)
+        return total
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self._owner._on_replicas("reset_prefix_cache"))
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ReplicaCounters:
+    """`counters`-like: `snapshot()` sums the replicas' engine counters."""
+
+    def __init__(self, owner: RayReplicaEngine):
+        self._owner = owner
+
+    def snapshot(self) -> dict[str, Any]:
+        per_replica = self._owner._on_replicas("counters")
+        total: dict[str, Any] = {}
+        for snap in per_replica:
+            for key, value in snap.items():
+                if key == "max_seqs_in_step":
+                    total[key] = max(total.get(key, 0), value)
+                elif isinstance(value, int | float):
+                    total[key] = total.get(key, 0) + value
+        if per_replica:
+            total["kv_cache_usage"] = total.get("kv_cache_usage", 0.0) / len(per_replica)
+        total["replicas"] = per_replica
+        total["prefix_routed"] = self._owner.router.prefix_routed
+        total["replicas_replaced"] = self._owner.replicas_replaced
+        total["requests_retried"] = self._owner.requests_retried
+        return total
+
+
+@dataclasses.dataclass(slots=True)
+class _Replica:
+    actor: Any
+    info: dict
+
+
+class RayReplicaEngine(AsyncEngine):
+    """`config.data_parallel_size` engines as Ray actors, used like one AsyncEngine."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        address: str | None = None,
+        num_replicas: int | None = None,
+        router_policy: str = "prefix",
+        num_cpus_per_replica: float = 1.0,
+        num_gpus_per_replica: float | None = None,
+        ray_init_kwargs: dict[str, Any] | None = None,
+    ):
+        ray = _ray()
+        self.config = config
+        self.num_replicas = num_replicas or config.data_parallel_size
+        self._owns_ray = False
+        if not ray.is_initialized():
+            address = address or os.environ.get("RAY_ADDRESS")
+            kwargs = dict(ray_init_kwargs or {})
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                kwargs.setdefault(
+                    "num_cpus",
+                    max(os.cpu_count() or 1, int(self.num_replicas * num_cpus_per_replica)),
+                )
+                kwargs.setdefault("include_dashboard", False)
+                ray.init(**kwargs)
+            self._owns_ray = True
+        if num_gpus_per_replica is None:
+            wants_cuda = config.device.startswith("cuda") or (
+                config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+            )
+            num_gpus_per_replica = float(config.tensor_parallel_size) if wants_cuda else 0.0
+        self._replica_config = dataclasses.replace(
+            config, data_parallel_size=1, distributed_executor_backend=None
+        )
+        self._actor_class = ray.remote(ReplicaActor).options(
+            num_cpus=num_cpus_per_replica, num_gpus=num_gpus_per_replica, max_concurrency=1000
+        )
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._jobs: dict[str, ReplicaJob] = {}
+        self._stopped = False
+        self.replicas_replaced = 0
+        self.requests_retried = 0
+        actors = [
+            self._actor_class.remote(self._replica_config, i) for i in range(self.num_replicas)
+        ]
+        try:
+            infos = ray.get([a.info.remote() for a in actors], timeout=_STARTUP_TIMEOUT)
+            tokenizer = ray.get(actors[0].tokenizer.remote())
+        except Exception as error:
+            for actor in actors:
+                ray.kill(actor)
+            raise RuntimeError(f"a Ray replica failed to start: {error}") from error
+        self._replicas = [_Replica(a, info) for a, info in zip(actors, infos)]
+        self.router = PrefixAwareRouter(
+            self.num_replicas, block_size=infos[0]["block_size"], policy=router_policy
+        )
+        self.engine = _Front(self, config, infos[0], tokenizer)
+        self._counters = ReplicaCounters(self)
+        self._loop = asyncio.new_event_loop()
+        self._available = asyncio.Event()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pagedllm-ray-client", daemon=True
+        )
+        self._thread.start()
+        self._loop.call_soon_threadsafe(self._available.set)
+        if self._owns_ray:
+            _live_engines.add(id(self))
+        logger.info(
+            "%d Ray replicas of %s on %s",
+            self.num_replicas,
+            self.engine.model_name,
+            sorted({info["host"] for info in infos}),
+        )
+
+    # ------------------------------------------------------------- properties
+    @property
+    def counters(self) -> ReplicaCounters:
+        return self._counters
+
+    def add_stat_logger(self, stat_logger) -> None:
+        """Registered loggers get every replica's steps, polled once a second."""
+        self.engine.stat_loggers.append(stat_logger)
+        if len(self.engine.stat_loggers) == 1:
+            asyncio.run_coroutine_threadsafe(self._forward_stats(), self._loop)
+
+    def _on_replicas(self, method: str, timeout: float = 60.0) -> list:
+        """Call a method on every live replica and wait (any thread but the client's)."""
+        ray = _ray()
+        live = [r for i, r in enumerate(self._replicas) if self.router.available[i]]
+        return ray.get([getattr(r.actor, method).remote() for r in live], timeout=timeout)
+
+    def num_free_blocks(self) -> int:
+        return sum(self._on_replicas("num_free_blocks"))
+
+    def call(self, fn):
+        return fn()
+
+    # ---------------------------------------------------------------- requests
+    def submit(
+        self,
+        group: RequestGroup,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> RequestStream:
+        stream = RequestStream(group.request_id, loop=loop, sink=sink)
+        first = group.children[0]
+        job = ReplicaJob(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=list(group.prompt_token_ids),
+            params=group.params,
+            priority=first.priority,
+            cache_salt=first.cache_salt,
+            stream=stream,
+        )
+        with self._lock:
+            if self._stopped:
+                raise EngineDeadError("the engine has been shut down")
+            if group.request_id in self._jobs:
+                raise ValueError(f"request id {group.request_id!r} is already in flight")
+            self._jobs[group.request_id] = job
+        asyncio.run_coroutine_threadsafe(self._drive(job), self._loop)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._abort, request_id)
+
+    def _abort(self, request_id: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is None:
+            return
+        job.aborted = True
+        if job.replica is not None:
+            self._replicas[job.replica].actor.abort.remote(request_id)
+
+    # -------------------------------------------------------- the client loop
+    async def _drive(self, job: ReplicaJob) -> None:
+        ray = _ray()
+        exclude: set[int] = set()
+        try:
+            while True:
+                index, hashes = await self._choose(job, exclude)
+                replica = self._replicas[index]
+                self.router.started(index, hashes)
+                job.replica, job.attempts = index, job.attempts + 1
+                prompt, params = job.inputs()
+                try:
+                    refs = replica.actor.generate.options(num_returns="streaming").remote(
+                        job.request_id, prompt, params, job.priority, job.cache_salt
+                    )
+                    if job.aborted:  # aborted while it was being routed
+                        replica.actor.abort.remote(job.request_id)
+                    async for ref in refs:
+                        for item in await ref:
+                            if self._deliver(job, item):
+                                return
+                    raise RuntimeError("the replica's stream ended without a final output")
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+                    self._replica_died(index, replica, err)
+                    if job.aborted:
+                        self._finish(job, job.abort_output())
+                        return
+                    reason = job.prepare_retry(self.engine.tokenizer)
+                    if reason is not None:
+                        self._finish(job, RequestError(f"request {job.request_id} failed: its "
+                                                       f"replica died and {reason}"))  # fmt: skip
+                        return
+                    self.requests_retried += 1
+                    exclude.add(index)
+                    logger.warning("replica %d died; retrying request %s", index, job.request_id)
+                finally:
+                    self.router.finished(index)
+                    job.replica = None
+        except Exception as error:
+            logger.exception("request %s failed in the replica client", job.request_id)
+            self._finish(job, RequestError(f"request {job.request_id} failed: {error}"))
+
+    async def _choose(self, job: ReplicaJob, exclude: set[int]) -> tuple[int, list[int]]:
+        deadline = self._loop.time() + _STARTUP_TIMEOUT
+        while True:
+            try:
+                return self.router.choose(job.prompt_token_ids, job.cache_salt, exclude)
+            except RuntimeError:  # every replica is down: wait for a replacement
+                self._available.clear()
+                remaining = deadline - self._loop.time()
+                if remaining <= 0:
+                    raise
+                try:
+                    await asyncio.wait_for(self._available.wait(), timeout=remaining)
+                except TimeoutError:
+                    raise RuntimeError("no replica came back in time") from None
+
+    def _deliver(self, job: ReplicaJob, item) -> bool:
+        """Hand one item to the caller; True when the request is over."""
+        if isinstance(item, ReplicaFailure):
+            error: Exception = (
+                ValueError(item.message)
+                if item.kind == "invalid"
+                else RequestError(f"request {job.request_id} failed: {item.message}")
+            )
+            self._finish(job, error)
+            return True
+        output = job.stitch(item)
+        if output.finished:
+            self._finish(job, output)
+            return True
+        job.stream.put(output)
+        return False
+
+    def _finish(self, job: ReplicaJob, item) -> None:
+        with self._lock:
+            self._jobs.pop(job.request_id, None)
+        job.stream.put(item)
+
+    def _replica_died(self, index: int, replica: _Replica, error: Exception) -> None:
+        if self._replicas[index] is not replica or not self.router.available[index]:
+            return  # already being replaced
+        logger.error("Ray replica %d died (%s); starting a replacement", index, error)
+        self.router.set_available(index, False)
+        self._loop.create_task(self._replace(index))
+
+    async def _replace(self, index: int) -> None:
+        ray = _ray()
+        while not self._stopped:
+            actor = self._actor_class.remote(self._replica_config, index)
+            try:
+                info = await actor.info.remote()
+            except Exception:
+                logger.exception("replacement for replica %d failed; trying again", index)
+                ray.kill(actor)
+                await asyncio.sleep(5)
+                continue
+            if self._stopped:
+                ray.kill(actor)
+                return
+            self._replicas[index] = _Replica(actor, info)
+            self.router.set_available(index, True)
+            self.replicas_replaced += 1
+            self._available.set()
+            logger.info("replica %d replaced (pid %s on %s)", index, info["pid"], info["host"])
+            return
+
+    async def _forward_stats(self) -> None:
+        """Feed registered stat loggers each replica step, with the summed scheduler stats."""
+        while not self._stopped:
+            await asyncio.sleep(1.0)
+            live = [r for i, r in enumerate(self._replicas) if self.router.available[i]]
+            try:
+                drained = await asyncio.gather(*(r.actor.drain_stats.remote() for r in live))
+            except Exception:  # a replica died; its own stats are gone with it
+                continue
+            latest = [items[-1][0] for items in drained if items]
+            if not latest:
+                continue
+            total = SchedulerStats()
+            for s in latest:
+                for f in dataclasses.fields(SchedulerStats):
+                    setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
+            total.kv_cache_usage /= len(latest)
+            for items in drained:
+                for _, iteration in items:
+                    for stat_logger in list(self.engine.stat_loggers):
+                        stat_logger.record(total, iteration)
+
+    # ---------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+        ray = _ray()
+        for job in jobs:
+            job.stream.put(EngineDeadError("the engine has been shut down"))
+        for replica in self._replicas:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(replica.actor)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        _live_engines.discard(id(self))
+        if self._owns_ray and not _live_engines and ray.is_initialized():
+            ray.shutdown()
