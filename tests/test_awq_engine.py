@@ -11,6 +11,10 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
+
+from pagedllm_integrations import LLM, SamplingParams
+from pagedllm_integrations.cli import main as cli_main
 from pagedllm_integrations.quant.awq_format import AWQConfig, dequantize
 from pagedllm_integrations.quant.cli import (
     DEFAULT_CALIBRATION,
@@ -23,10 +27,6 @@ from pagedllm_integrations.quant.quantizer import (
     calibration_blocks,
     save_awq_checkpoint,
 )
-from safetensors import safe_open
-
-from pagedllm_integrations import LLM, SamplingParams
-from pagedllm_integrations.cli import main as cli_main
 
 PROMPTS = ["The capital of France is", "Mr. Bennet said to his wife", "1, 2, 3,"]
 MAX_NEW = 8

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from pagedllm_integrations.quant.awq_format import (
     AWQ_ORDER,
     AWQ_REVERSE_ORDER,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from pagedllm_integrations.engine.models.layers import StackedLinear
 from pagedllm_integrations.quant.awq_format import quantize_weight
 from pagedllm_integrations.quant.awq_linear import (
@@ -11,7 +13,6 @@ from pagedllm_integrations.quant.awq_linear import (
     MixedStackedLinear,
     awq_linear_factory,
 )
-from safetensors.torch import save_file
 
 CPU = torch.device("cpu")
 CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}

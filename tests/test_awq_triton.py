@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedllm_integrations.quant.awq_format import dequantize, pack_int4
 
 pytestmark = pytest.mark.triton
