@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,7 @@ try:
         LLMMetadata,
         MessageRole,
     )
-    from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+    from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, model_validator
     from llama_index.core.constants import DEFAULT_NUM_OUTPUTS, DEFAULT_TEMPERATURE
     from llama_index.core.instrumentation.events.llm import (
         LLMStructuredPredictEndEvent,
@@ -199,9 +199,10 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         tools = kwargs.get("tools") or None
         tool_choice = kwargs.get("tool_choice")
         params = self._sampling_params(kwargs, stream)
-        if self.messages_to_prompt is not generic_messages_to_prompt:
+        to_prompt = self.messages_to_prompt
+        if to_prompt is not None and to_prompt is not generic_messages_to_prompt:
             # The user's own formatting wins over the model's chat template.
-            return self.messages_to_prompt(messages), params, tools
+            return to_prompt(messages), params, tools
         tokenizer = self.engine.tokenizer
         text = render_chat_prompt(
             tokenizer, to_openai_messages(messages), tools=tools, tool_choice=tool_choice
@@ -218,7 +219,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     def _completion_request(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any], stream: bool
     ) -> tuple[PromptType, SamplingParams, None]:
-        if not formatted:
+        if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
         return prompt, self._sampling_params(kwargs, stream), None
 
@@ -349,17 +350,22 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
 
     # ------------------------------------------------------- structured output
     def _schema_request(
-        self, output_cls: type, prompt: BasePromptTemplate, llm_kwargs: dict | None, args: dict
+        self,
+        output_cls: type[BaseModel],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict | None,
+        args: dict,
     ) -> tuple[list[ChatMessage], dict[str, Any]]:
         kwargs = dict(llm_kwargs or {})
         kwargs["structured_outputs"] = StructuredOutputsParams(json=output_cls.model_json_schema())
         return self._get_messages(prompt, **args), kwargs
 
-    def _structured_result(self, output_cls: type, response: ChatResponse) -> Any:
-        if response.raw.get("finish_reason") == "length":
+    def _structured_result(self, output_cls: type[BaseModel], response: ChatResponse) -> Any:
+        raw = response.raw or {}
+        if raw.get("finish_reason") == "length":
             raise ValueError(
                 f"the {output_cls.__name__} JSON was cut off after max_new_tokens="
-                f"{response.raw['usage']['completion_tokens']} tokens; raise max_new_tokens "
+                f"{raw['usage']['completion_tokens']} tokens; raise max_new_tokens "
                 "(or bound the schema's strings with max_length)"
             )
         result = output_cls.model_validate_json(response.message.content or "")
@@ -369,7 +375,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     @dispatcher.span
     def structured_predict(
         self,
-        output_cls: type,
+        output_cls: type[BaseModel],
         prompt: BasePromptTemplate,
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
@@ -387,7 +393,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     @dispatcher.span
     async def astructured_predict(
         self,
-        output_cls: type,
+        output_cls: type[BaseModel],
         prompt: BasePromptTemplate,
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
@@ -404,22 +410,22 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     # versions go through a tool call without forcing it; constrained JSON is surer.
     def _structured_stream_call(
         self,
-        output_cls: type,
+        output_cls: type[BaseModel],
         prompt: BasePromptTemplate,
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, None]:
         messages, kwargs = self._schema_request(output_cls, prompt, llm_kwargs, prompt_args)
         partial = PartialObject(output_cls, self)
         return (partial.update(response) for response in self.stream_chat(messages, **kwargs))
 
     async def _structured_astream_call(
         self,
-        output_cls: type,
+        output_cls: type[BaseModel],
         prompt: BasePromptTemplate,
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         messages, kwargs = self._schema_request(output_cls, prompt, llm_kwargs, prompt_args)
         partial = PartialObject(output_cls, self)
         responses = await self.astream_chat(messages, **kwargs)

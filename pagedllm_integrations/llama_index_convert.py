@@ -224,7 +224,8 @@ class PartialObject:
     """The object so far, parsed from the JSON text streamed so far (fields may be None)."""
 
     def __init__(self, output_cls: type, llm: Any) -> None:
-        self.output_cls, self.llm, self.current = output_cls, llm, None
+        self.output_cls, self.llm = output_cls, llm
+        self.current: list[Any] | None = None
 
     def update(self, response: ChatResponse) -> Any:
         obj = process_streaming_objects(
