@@ -171,11 +171,12 @@ chat_bodies = bodies({"messages": st.lists(message, min_size=1, max_size=3)}, ch
 STATUSES: collections.Counter = collections.Counter()
 
 
-def check(http: httpx.Client, path: str, content: bytes) -> None:
+def check(http: httpx.Client, path: str, content: bytes, tally: bool = True) -> None:
     headers = {"Content-Type": "application/json"}
     with http.stream("POST", path, content=content, headers=headers) as response:
         text = response.read().decode("utf-8", "replace")
-    STATUSES[path, response.status_code] += 1
+    if tally:
+        STATUSES[path, response.status_code] += 1
     assert response.status_code < 500, (content[:500], text[:500])
     if response.status_code != 200:
         error = json.loads(text)["error"]
@@ -207,14 +208,16 @@ def test_fuzz_chat(http, body):
 @given(raw=st.binary(max_size=64) | junk.map(lambda v: json.dumps(v).encode()))
 def test_fuzz_raw_bodies(http, raw):
     for path in ("/v1/completions", "/v1/chat/completions"):
-        check(http, path, raw)
+        check(http, path, raw, tally=False)
 
 
 def test_still_answers_after_fuzzing(http, engine):
     print("\nstatus counts:", dict(STATUSES))
     # Both kinds of outcome happened: the fuzzing reached generation, and validation.
+    # (Only when the fuzz tests ran in this session: `-k` can select this test alone.)
     for path in ("/v1/completions", "/v1/chat/completions"):
-        assert STATUSES[path, 200] >= 10 and STATUSES[path, 400] >= 10, dict(STATUSES)
+        if any(p == path for p, _ in STATUSES):
+            assert STATUSES[path, 200] >= 10 and STATUSES[path, 400] >= 10, dict(STATUSES)
     response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
     assert response.status_code == 200
     assert http.get("/health").json() == {"status": "ok"}
