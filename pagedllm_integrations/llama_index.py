@@ -151,8 +151,12 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
             context_window, model_name = self.engine.max_model_len, self.engine.model_name
         else:
             context_window = self._config.max_model_len
+            # Named as the engine will name it (model_loader.resolve_model).
+            path = Path(self.model) if self.model else None
             model_name = self._config.served_model_name or (
-                Path(self.model).name if self.model else _DEFAULT_MODEL_NAME
+                (path.stem if path.suffix == ".gguf" else path.name)
+                if path
+                else _DEFAULT_MODEL_NAME
             )
         return LLMMetadata(
             context_window=context_window,
@@ -185,8 +189,6 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         call_stop = values.get("stop") or []
         call_stop = [call_stop] if isinstance(call_stop, str) else list(call_stop)
         values["stop"] = [*(self.stop or []), *call_stop]
-        if kwargs.get("structured_outputs") is not None:
-            values["structured_outputs"] = kwargs["structured_outputs"]
         if values.get("n", 1) != 1:
             raise ValueError("n must be 1 here: LlamaIndex takes one answer; call again for more")
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
