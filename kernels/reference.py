@@ -51,8 +51,9 @@ def gather_kv(
     block_table: torch.Tensor,  # [num_used_blocks] or [B, num_used_blocks]
 ) -> torch.Tensor:
     """The cache rows of one (or B) sequences in order: [..., num_used_blocks * block_size, Hkv, D]."""
-    gathered = cache[block_table.long()]
-    return gathered.flatten(-4, -3) if gathered.dim() == 5 else gathered.flatten(0, 1)
+    flat = block_table.reshape(-1).long()
+    gathered = cache.index_select(0, flat)  # cheaper than advanced indexing on CPU
+    return gathered.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
 def paged_attention(
@@ -88,12 +89,15 @@ def paged_attention(
         k = gather_kv(k_cache, block_tables[i, :num_blocks])[:seq_len]  # [L, Hkv, D]
         v = gather_kv(v_cache, block_tables[i, :num_blocks])[:seq_len]
         qi = q[cu[i] : cu[i + 1]]  # [query_len, Hq, D]
-        mask = _causal_mask(query_len, seq_len, sliding_window, q.device)
+        # A prompt with nothing cached before it is plain causal attention (the fast path).
+        plain_causal = seq_len == query_len and sliding_window is None
+        mask = None if plain_causal else _causal_mask(query_len, seq_len, sliding_window, q.device)
         o = F.scaled_dot_product_attention(
             qi.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0).to(q.dtype),
             v.transpose(0, 1).unsqueeze(0).to(q.dtype),
             attn_mask=mask,
+            is_causal=plain_causal,
             scale=scale,
             enable_gqa=True,
         )  # [1, Hq, query_len, D]
@@ -126,30 +130,26 @@ def _decode_attention(
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    """All query_len == 1 sequences at once, padded to the longest: [Bd, Hkv, group, D] x [Bd, Hkv, L, D]."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    num_q_heads = q.shape[1]
-    group = num_q_heads // num_kv_heads
+    """All query_len == 1 sequences in one attention call, padded to the longest:
+    q [Bd, Hq, 1, D] over keys [Bd, Hkv, L, D], with a mask for each row's length."""
+    block_size = k_cache.shape[1]
     device = q.device
-    rows_t = torch.tensor(rows, device=device)
-    q_rows = q[torch.tensor([cu[i] for i in rows], device=device)]  # [Bd, Hq, D]
+    q_index = torch.tensor([cu[i] for i in rows], device=device)
     seq_lens = torch.tensor([lens[i] for i in rows], device=device)
-    max_len = max(lens[i] for i in rows)
-    num_blocks = -(max_len // -block_size)
-    tables = block_tables[rows_t, :num_blocks]  # [Bd, nb]
-    k = gather_kv(k_cache, tables)  # [Bd, nb*bs, Hkv, D]
-    v = gather_kv(v_cache, tables)
-    compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    qg = q_rows.view(len(rows), num_kv_heads, group, head_dim).to(compute_dtype)
-    kt = k.permute(0, 2, 3, 1).to(compute_dtype)  # [Bd, Hkv, D, L]
-    scores = torch.matmul(qg, kt) * scale  # [Bd, Hkv, group, L]
-    key_pos = torch.arange(k.shape[1], device=device)[None, :]
-    valid = key_pos < seq_lens[:, None]
+    num_blocks = -(max(lens[i] for i in rows) // -block_size)
+    tables = block_tables[torch.tensor(rows, device=device), :num_blocks]  # [Bd, nb]
+    k = gather_kv(k_cache, tables).transpose(1, 2)  # [Bd, Hkv, nb*bs, D] (a view)
+    v = gather_kv(v_cache, tables).transpose(1, 2)
+    key_pos = torch.arange(k.shape[2], device=device)[None, :]
+    valid = key_pos < seq_lens[:, None]  # [Bd, L]
     if sliding_window is not None:
         valid &= key_pos >= (seq_lens[:, None] - sliding_window)
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v.permute(0, 2, 1, 3).to(compute_dtype))  # [Bd, Hkv, group, D]
-    out[torch.tensor([cu[i] for i in rows], device=device)] = o.reshape(
-        len(rows), num_q_heads, head_dim
-    ).to(out.dtype)
+    o = F.scaled_dot_product_attention(
+        q[q_index].unsqueeze(2),  # [Bd, Hq, 1, D]
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )  # [Bd, Hq, 1, D]
+    out[q_index] = o.squeeze(2).to(out.dtype)
