@@ -113,6 +113,7 @@ class ReplicaCounters:
         total["prefix_routed"] = self._owner.router.prefix_routed
         total["replicas_replaced"] = self._owner.replicas_replaced
         total["requests_retried"] = self._owner.requests_retried
+        total["requests_resumed"] = self._owner.requests_resumed
         return total
 
 
@@ -170,6 +171,7 @@ class RayReplicaEngine(AsyncEngine):
         self._stopped = False
         self.replicas_replaced = 0
         self.requests_retried = 0
+        self.requests_resumed = 0  # retried ones that continued a stream the caller had seen
         actors = [
             self._actor_class.remote(self._replica_config, i) for i in range(self.num_replicas)
         ]
@@ -218,6 +220,14 @@ class RayReplicaEngine(AsyncEngine):
         ray = _ray()
         live = [r for i, r in enumerate(self._replicas) if self.router.available[i]]
         return ray.get([getattr(r.actor, method).remote() for r in live], timeout=timeout)
+
+    def set_router_policy(self, policy: str) -> None:
+        """A fresh router with `policy` ("prefix" | "round_robin"); call it while idle."""
+        router = PrefixAwareRouter(
+            self.num_replicas, block_size=self.router.block_size, policy=policy
+        )
+        router.available = list(self.router.available)
+        self.router = router
 
     def num_free_blocks(self) -> int:
         return sum(self._on_replicas("num_free_blocks"))
@@ -296,6 +306,7 @@ class RayReplicaEngine(AsyncEngine):
                                                        f"replica died and {reason}"))  # fmt: skip
                         return
                     self.requests_retried += 1
+                    self.requests_resumed += job.base is not None
                     exclude.add(index)
                     logger.warning("replica %d died; retrying request %s", index, job.request_id)
                 finally:

@@ -1,0 +1,186 @@
+"""Two engine replicas on a local Ray cluster, against one in-process engine.
+
+One Ray engine serves the whole module (starting Ray and two actors costs most of the time);
+the replica-kill test runs last and also checks that the replacement serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pagedllm_integrations import SamplingParams  # noqa: E402
+from pagedllm_integrations.engine.async_engine import (  # noqa: E402
+    AsyncEngine,
+    shared_engine,
+    shutdown_shared_engines,
+)
+from pagedllm_integrations.engine.config import EngineConfig  # noqa: E402
+from pagedllm_integrations.engine.distributed.ray_replicas import RayReplicaEngine  # noqa: E402
+from pagedllm_integrations.engine.distributed.router import (  # noqa: E402
+    PrefixAwareRouter,
+    prefix_block_hashes,
+)
+from pagedllm_integrations.engine.sampling_params import RequestOutputKind  # noqa: E402
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "The weather today",
+    "My favourite colour is",
+    "In the beginning",
+    "Dear Sir or Madam,",
+]
+LONG = 300  # tokens per request in the kill test: long enough to kill mid-stream
+
+
+def _config(folder, **overrides) -> EngineConfig:
+    args = dict(model=str(folder), disable_log_stats=True, num_kv_blocks=128, max_model_len=512)
+    args.update(overrides)
+    return EngineConfig(**args)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Greedy tokens and text of one in-process engine, for short and long requests."""
+    with AsyncEngine(_config(tiny_llama_dir)) as engine:
+        short = SamplingParams(temperature=0, max_tokens=12)
+        long = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+        results = {}
+        for name, params in (("short", short), ("long", long)):
+            streams = [engine.add_request(p, params) for p in PROMPTS]
+            results[name] = [s.result().outputs[0] for s in streams]
+    return results
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama_dir):
+    config = _config(tiny_llama_dir, data_parallel_size=2, distributed_executor_backend="ray")
+    engine = shared_engine(config)  # the hook the integrations go through
+    assert isinstance(engine, RayReplicaEngine)
+    assert shared_engine(config) is engine
+    yield engine
+    shutdown_shared_engines()
+    assert not ray.is_initialized()  # the engine started Ray, so it stopped it
+
+
+def test_router_prefers_the_replica_holding_the_prefix():
+    router = PrefixAwareRouter(2, block_size=4, max_imbalance=2)
+    shared = list(range(100, 116))  # four full blocks
+    a, hashes_a = router.choose([*shared, 1, 2])
+    router.started(a, hashes_a)
+    b, hashes_b = router.choose([7, 7, 7, 7, 8])  # unrelated: the idle replica
+    assert b != a
+    router.started(b, hashes_b)
+    again, _ = router.choose([*shared, 9])
+    assert again == a and router.prefix_routed == 1
+    assert prefix_block_hashes(shared, 4, 8) == hashes_a  # a partial last block is not hashed
+    assert prefix_block_hashes(shared, 4, 8, salt="x")[0] != hashes_a[0]
+    # A replica far busier than the least loaded one loses its prefix advantage.
+    for _ in range(3):
+        router.started(a, [])
+    assert router.choose(shared)[0] == b
+    router.set_available(b, False)
+    assert router.choose([1] * 8)[0] == a
+    with pytest.raises(ValueError, match="round_robin"):
+        PrefixAwareRouter(2, policy="random")
+
+
+def test_config_asks_for_the_ray_backend():
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray'"):
+        EngineConfig(data_parallel_size=2)
+
+
+def test_replicas_match_a_single_engine(replicas, reference):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    streams = [replicas.add_request(p, params) for p in PROMPTS]
+    outputs = [s.result() for s in streams]
+    assert [o.outputs[0].token_ids for o in outputs] == [r.token_ids for r in reference["short"]]
+    assert [o.outputs[0].text for o in outputs] == [r.text for r in reference["short"]]
+    assert outputs[0].prompt == PROMPTS[0]
+    per_replica = replicas.counters.snapshot()["replicas"]
+    assert len(per_replica) == 2 and all(r["requests_finished"] > 0 for r in per_replica)
+    assert replicas.tokenizer is not None and replicas.max_model_len == 512
+
+
+def test_async_streaming_and_validation(replicas, reference):
+    async def stream_one() -> tuple[str, list[int], int]:
+        text, tokens, chunks = "", [], 0
+        params = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)
+        async for out in replicas.generate(PROMPTS[1], params):
+            text += out.outputs[0].text
+            tokens += out.outputs[0].token_ids
+            chunks += 1
+        return text, tokens, chunks
+
+    text, tokens, chunks = asyncio.run(stream_one())
+    assert tokens == reference["short"][1].token_ids and text == reference["short"][1].text
+    assert chunks > 1  # streamed, not one final output
+    with pytest.raises(ValueError, match="max_model_len"):
+        replicas.add_request("word " * 600, SamplingParams(max_tokens=4))
+
+
+def _consume(stream, kind, sink: dict, progress: threading.Event, key: int) -> None:
+    tokens, text, count = [], "", 0
+    try:
+        for out in stream:
+            c = out.outputs[0]
+            if kind == RequestOutputKind.DELTA:
+                tokens += c.token_ids
+                text += c.text
+            else:
+                tokens, text = list(c.token_ids), c.text
+            count += 1
+            if count == 3:
+                progress.set()
+        sink[key] = (tokens, text, out.outputs[0].finish_reason)
+    except Exception as error:  # recorded: the test asserts there is none
+        sink[key] = error
+
+
+def test_killing_a_replica_mid_run_loses_no_request(replicas, reference):
+    kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+    results: dict[int, object] = {}
+    threads, started = [], []
+    for i, prompt in enumerate(PROMPTS):
+        kind = kinds[i % 3]
+        params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True, output_kind=kind)
+        progress = threading.Event()
+        stream = replicas.add_request(prompt, params)
+        thread = threading.Thread(target=_consume, args=(stream, kind, results, progress, i))
+        thread.start()
+        threads.append(thread)
+        started.append((progress, kind))
+    for progress, kind in started:  # every streaming request has delivered some tokens
+        if kind != RequestOutputKind.FINAL_ONLY:
+            assert progress.wait(timeout=120)
+    victim = replicas._replicas[0].actor
+    ray.kill(victim)
+    for thread in threads:
+        thread.join(timeout=300)
+    for i, ref in enumerate(reference["long"]):
+        assert not isinstance(results[i], Exception), results[i]
+        tokens, text, finish = results[i]
+        assert tokens == ref.token_ids, f"request {i}"
+        assert text == ref.text and finish == "length"
+    snapshot = replicas.counters.snapshot()
+    assert snapshot["requests_retried"] >= 1
+    assert snapshot["requests_resumed"] >= 1  # a stream continued on the other replica
+    # The replacement comes up and serves again.
+    deadline = time.monotonic() + 300
+    while replicas.replicas_replaced < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert replicas.replicas_replaced == 1 and replicas._replicas[0].actor is not victim
+    params = SamplingParams(temperature=0, max_tokens=12)
+    streams = [replicas.add_request(p, params) for p in PROMPTS[:4]]
+    assert [s.result().outputs[0].token_ids for s in streams] == [
+        r.token_ids for r in reference["short"][:4]
+    ]
+    assert all(r["requests_finished"] > 0 for r in replicas.counters.snapshot()["replicas"])
