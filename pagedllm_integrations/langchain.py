@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -56,7 +56,14 @@ from .engine.config import EngineConfig
 from .engine.llm_engine import RequestGroup
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams
+from .engine.tool_calls import (
+    CALL_OPEN,
+    parse_tool_calls,
+    render_chat_prompt,
+    tool_call_constraint,
+)
 from .langchain_support import (
+    ToolCallGate,
     aiter_outputs,
     arun_all,
     build_engine_config,
@@ -115,6 +122,7 @@ class _Call:
     params: SamplingParams
     n: int
     logprobs: int | None
+    generated: int = 0  # tokens streamed so far (DELTA outputs carry only the new ones)
 
 
 def _info(completion: CompletionOutput, call: _Call) -> dict[str, Any]:
@@ -285,11 +293,19 @@ class PagedLLM(_EngineOwner, BaseLLM):
     @staticmethod
     def _chunk(output: RequestOutput, call: _Call) -> GenerationChunk | None:
         completion = output.outputs[0]
+        call.generated += len(completion.token_ids)
         if not completion.text and not output.finished:
             return None
         info = None
         if output.finished:
-            info = {**_info(completion, call), "token_usage": token_usage([output])}
+            prompt = len(output.prompt_token_ids)
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": call.generated,
+                "total_tokens": prompt + call.generated,
+                "cached_prompt_tokens": output.num_cached_tokens,
+            }
+            info = {**_info(completion, call), "token_usage": usage}
         return GenerationChunk(text=completion.text, generation_info=info)
 
     def _stream(
@@ -356,7 +372,6 @@ class ChatPagedLLM(_EngineOwner, BaseChatModel):
     """Accepted for drop-in use; an in-process engine has no transient errors to retry."""
     api_key: SecretStr | None = Field(default=None, exclude=True)
     """Accepted for drop-in use and ignored: there is no server to authenticate to."""
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     dtype: str = "auto"
     download_dir: str | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -414,16 +429,17 @@ class ChatPagedLLM(_EngineOwner, BaseChatModel):
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], kind
     ) -> tuple[AsyncEngine, RequestGroup, _ChatCall]:
         """Render the chat template, tokenize and validate (any thread; loads the engine)."""
-        from .engine.tool_calls import render_chat_prompt, tool_call_constraint
-
         engine = self._get_engine()
         kwargs = dict(kwargs)
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
         structured = kwargs.pop("structured_outputs", None)
+        parallel = bool(kwargs.pop("parallel_tool_calls", False))
         if tool_choice == "none":
             tools = None  # the model must answer in text: do not offer tools at all
-        constraint = tool_call_constraint(tools, tool_choice) if tools else None
+        constraint = None
+        if tools:
+            constraint = tool_call_constraint(tools, tool_choice, parallel_tool_calls=parallel)
         if constraint is not None and structured is not None:
             raise ValueError("a call cannot both force a tool call and a structured output")
         merged = _sampling(self._default_params(), self._sampling_extra, kwargs, (self.stop, stop))
@@ -436,7 +452,6 @@ class ChatPagedLLM(_EngineOwner, BaseChatModel):
             tools=tools,
             tool_choice=tool_choice,
             add_generation_prompt=True,
-            **self.chat_template_kwargs,
         )
         # The template already holds any BOS: no second one from the tokenizer.
         ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
@@ -454,7 +469,7 @@ class ChatPagedLLM(_EngineOwner, BaseChatModel):
                 {"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"}
                 for c in tool_calls
             ],
-            usage_metadata=_usage(output, completion) if index == 0 else None,
+            usage_metadata=_usage(output, len(completion.token_ids)) if index == 0 else None,
             response_metadata=metadata,
         )
         return ChatGeneration(
@@ -465,8 +480,6 @@ class ChatPagedLLM(_EngineOwner, BaseChatModel):
     def _split_tool_calls(text: str, call: _ChatCall) -> tuple[str, list]:
         if not call.tools:
             return text, []
-        from .engine.tool_calls import parse_tool_calls
-
         return parse_tool_calls(text, call.tools)
 
     def _response_metadata(self, completion, call: _ChatCall, called: bool) -> dict[str, Any]:
@@ -521,24 +534,22 @@ class ChatPagedLLM(_EngineOwner, BaseChatModel):
         return engine, group, call
 
     def _chunks(self, output: RequestOutput, call: _ChatCall) -> Iterator[ChatGenerationChunk]:
-        """Chunks for one engine output (DELTA text). With tools bound the text is held back
-        until the end, when it is known whether it was a tool call or an answer."""
+        """Chunks for one engine output (DELTA text). With tools bound, text that may be a
+        tool call is held back until the end, when `parse_tool_calls` reads it."""
         completion = output.outputs[0]
-        if call.tools:
-            call.held.append(completion.text)
-            if not output.finished:
-                return
-            text = "".join(call.held)
-        else:
-            text = completion.text
+        call.generated += len(completion.token_ids)
+        text = completion.text if call.gate is None else call.gate.feed(completion.text)
         if not output.finished:
             if text:
                 yield ChatGenerationChunk(message=AIMessageChunk(content=text))
             return
-        content, tool_calls = self._split_tool_calls(text, call)
+        tool_calls: list = []
+        if call.gate is not None:
+            held, tool_calls = self._split_tool_calls(call.gate.finish(), call)
+            text += held
         metadata = self._response_metadata(completion, call, bool(tool_calls))
         chunk = AIMessageChunk(
-            content=content,
+            content=text,
             tool_call_chunks=[
                 {
                     "name": c.name,
@@ -549,7 +560,7 @@ class ChatPagedLLM(_EngineOwner, BaseChatModel):
                 }
                 for i, c in enumerate(tool_calls)
             ],
-            usage_metadata=_usage(output, completion),
+            usage_metadata=_usage(output, call.generated),
             chunk_position="last",
         )
         yield ChatGenerationChunk(message=chunk, generation_info=metadata)
@@ -659,12 +670,16 @@ class _ChatCall:
     params: SamplingParams
     tools: list[dict[str, Any]] | None
     logprobs: int | None
-    held: list[str] = field(default_factory=list)  # streamed text held back while tools are bound
+    generated: int = 0  # tokens streamed so far (DELTA outputs carry only the new ones)
+    gate: ToolCallGate | None = None  # streaming with tools: holds text that may be a call
+
+    def __post_init__(self) -> None:
+        if self.tools and self.params.output_kind == RequestOutputKind.DELTA:
+            self.gate = ToolCallGate(CALL_OPEN)
 
 
-def _usage(output: RequestOutput, completion: CompletionOutput) -> UsageMetadata:
+def _usage(output: RequestOutput, generated: int) -> UsageMetadata:
     prompt = len(output.prompt_token_ids)
-    generated = len(completion.token_ids)
     return UsageMetadata(
         input_tokens=prompt,
         output_tokens=generated,

@@ -336,3 +336,54 @@ def normalize_tool_choice(tool_choice: Any, tool_names: list[str]) -> str | dict
     if name not in tool_names:
         raise ValueError(f"tool_choice names {name!r}, but the bound tools are {tool_names}")
     return {"type": "function", "function": {"name": name}}
+
+
+class ToolCallGate:
+    """Splits streamed text, with tools bound, into what is surely answer text (sent at once)
+    and what may be a tool call (held until the end, when `parse_tool_calls` decides).
+
+    Held: output that opens like a bare JSON call (`{`, `[`, a code fence), everything from
+    a `<tool_call>` tag on, and a tail that could be the start of that tag.
+    """
+
+    def __init__(self, call_open: str) -> None:
+        self.call_open = call_open
+        self.sent = ""
+        self.pending = ""
+        self.holding = False
+
+    def feed(self, delta: str) -> str:
+        """Add new text; return the part that can be shown now."""
+        self.pending += delta
+        if self.holding:
+            return ""
+        if not self.sent:
+            head = self.pending.lstrip()
+            if not head:
+                return ""
+            if head[0] in "{[`":
+                self.holding = True
+                return ""
+        index = self.pending.find(self.call_open)
+        if index >= 0:
+            ready, self.pending = self.pending[:index], self.pending[index:]
+            self.holding = True
+        else:
+            keep = _partial_tag_length(self.pending, self.call_open)
+            cut = len(self.pending) - keep
+            ready, self.pending = self.pending[:cut], self.pending[cut:]
+        self.sent += ready
+        return ready
+
+    def finish(self) -> str:
+        """The held text (to parse for calls) at the end of the output."""
+        held, self.pending = self.pending, ""
+        return held
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
