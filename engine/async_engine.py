@@ -114,8 +114,23 @@ class AsyncEngine:
     def counters(self):
         return self.engine.counters
 
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread serves requests (not shut down, not dead)."""
+        return self._thread.is_alive() and not self._stopped
+
     def add_stat_logger(self, stat_logger) -> None:
+        """Register a StatLogger; it is called on the engine thread after every step."""
         self._commands.put(("call", lambda: self.engine.stat_loggers.append(stat_logger)))
+
+    def remove_stat_logger(self, stat_logger) -> None:
+        """Unregister a StatLogger (a no-op if it is not registered)."""
+
+        def remove() -> None:
+            if stat_logger in self.engine.stat_loggers:
+                self.engine.stat_loggers.remove(stat_logger)
+
+        self._commands.put(("call", remove))
 
     # ---------------------------------------------------------------- requests
     def add_request(

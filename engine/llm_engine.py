@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -148,6 +149,7 @@ class LLMEngine:
         if not config.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(config.log_stats_interval))
         self._structured = None
+        self._structured_lock = threading.Lock()
         self.load_time = time.perf_counter() - started
         logger.info(
             "loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
@@ -357,13 +359,15 @@ class LLMEngine:
 
     @property
     def structured_outputs(self):
-        if self._structured is None:
-            from .structured_outputs import StructuredOutputManager
+        # Created on first use, from whichever caller thread submits a constrained request.
+        with self._structured_lock:
+            if self._structured is None:
+                from .structured_outputs import StructuredOutputManager
 
-            self._structured = StructuredOutputManager(
-                self.tokenizer, self.vocab_size, stop_token_ids=self.eos_token_ids
-            )
-        return self._structured
+                self._structured = StructuredOutputManager(
+                    self.tokenizer, self.vocab_size, stop_token_ids=self.eos_token_ids
+                )
+            return self._structured
 
     # ----------------------------------------------------------- request flow
     def add_group(self, group: RequestGroup) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from pagedllm_integrations.kernels import reference
 from pagedllm_integrations.kernels.paged_attention_triton import (
     choose_num_splits,

@@ -32,8 +32,7 @@ _STATS_TIMEOUT_S = 5.0
 
 
 def engine_alive(engine: AsyncEngine) -> bool:
-    thread = getattr(engine, "_thread", None)
-    return bool(thread is not None and thread.is_alive() and not getattr(engine, "_stopped", False))
+    return engine.is_running
 
 
 def create_app(
@@ -63,7 +62,7 @@ def create_app(
         for task in list(state.background):
             task.cancel()
         if engine_alive(engine):  # stop feeding this app's registry
-            await asyncio.to_thread(engine.call, lambda: _remove(engine, metrics))
+            engine.remove_stat_logger(metrics)
 
     app = FastAPI(
         title="pagedllm", summary="OpenAI-compatible API over pagedllm", lifespan=lifespan
@@ -115,9 +114,3 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _remove(engine: AsyncEngine, stat_logger: object) -> None:
-    """Engine thread only."""
-    if stat_logger in engine.engine.stat_loggers:
-        engine.engine.stat_loggers.remove(stat_logger)
