@@ -93,7 +93,7 @@ def normalize_tools(tools: list) -> list[dict]:
             parameters = copy.deepcopy(_EMPTY_PARAMETERS)
         if not isinstance(parameters, dict):
             raise ValueError(f"tool {name!r}: 'parameters' must be a JSON schema dict")
-        function = {
+        function: dict[str, Any] = {
             "name": name,
             "description": description,
             "parameters": copy.deepcopy(parameters),
