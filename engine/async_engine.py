@@ -315,6 +315,15 @@ _shared: dict[tuple, AsyncEngine] = {}
 _shared_lock = threading.Lock()
 
 
+def create_engine(config: EngineConfig) -> AsyncEngine:
+    """A new engine for `config`: in this process, or replicas on Ray when it asks for them."""
+    if config.distributed_executor_backend == "ray":
+        from .distributed.ray_replicas import RayReplicaEngine
+
+        return RayReplicaEngine(config)
+    return AsyncEngine(config)
+
+
 def shared_engine(config: EngineConfig) -> AsyncEngine:
     """One engine per distinct config in this process: every wrapper with the same settings
     shares its weights, its batches and its prefix cache. Created on first use."""
@@ -322,12 +331,7 @@ def shared_engine(config: EngineConfig) -> AsyncEngine:
     with _shared_lock:
         engine = _shared.get(key)
         if engine is None or engine._stopped:
-            if config.distributed_executor_backend == "ray":
-                from .distributed.ray_replicas import RayReplicaEngine
-
-                engine = RayReplicaEngine(config)
-            else:
-                engine = AsyncEngine(config)
+            engine = create_engine(config)
             _shared[key] = engine
         return engine
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .async_engine import AsyncEngine, RequestStream
+from .async_engine import RequestStream, create_engine
 from .config import EngineConfig
 from .llm_engine import PromptType
 from .outputs import RequestOutput
@@ -27,7 +27,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any):
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.engine = AsyncEngine(self.config)
+        self.engine = create_engine(self.config)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
