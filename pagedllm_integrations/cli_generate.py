@@ -28,6 +28,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (Ray)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=[None, "mp", "ray"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -44,6 +47,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
@@ -58,10 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .engine.async_engine import AsyncEngine
+    from .engine.async_engine import create_engine
+    from .engine.config import EngineConfig
     from .engine.sampling_params import RequestOutputKind, SamplingParams
 
-    engine = AsyncEngine(**engine_kwargs(args))
+    engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..engine.async_engine import AsyncEngine
+    from ..engine.async_engine import create_engine
     from ..engine.config import EngineConfig
     from .app import create_app
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             disable_log_stats=args.disable_log_stats,
         )
-        engine = AsyncEngine(config)
+        engine = create_engine(config)
     except ValueError as error:
         print(f"pagedllm serve: {error}", file=sys.stderr)
         return 2
