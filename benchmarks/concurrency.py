@@ -1,0 +1,67 @@
+"""Output tokens/s against the number of concurrent requests: pagedllm and transformers.
+
+    python benchmarks/concurrency.py [--levels 1,4,16,64] [--prompt-tokens 128] [--output-tokens 32]
+
+At each level N, N requests with random prompts (mixed lengths around --prompt-tokens)
+arrive at once. pagedllm takes them as they come (continuous batching); transformers
+runs them as one padded static batch of N (its best case: it needs no queueing logic).
+Prints a table and writes JSON for benchmarks/plot.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from pagedllm_integrations import AsyncEngine, SamplingParams
+from pagedllm_integrations.engine.bench import _hf_generate, load_hf_model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--levels", default="1,4,16,64")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--json", default="benchmarks/results/concurrency.json")
+    args = parser.parse_args()
+
+    engine = AsyncEngine(model=args.model, disable_log_stats=True, max_model_len=2048)
+    hf = None if args.skip_hf else load_hf_model(engine)
+    pad = engine.tokenizer.eos_token_id or 0
+    rng = random.Random(0)
+    vocab = engine.engine.vocab_size
+    rows = []
+    for level in [int(x) for x in args.levels.split(",")]:
+        lens = [
+            rng.randint(args.prompt_tokens // 2, args.prompt_tokens * 3 // 2) for _ in range(level)
+        ]
+        prompts = [[rng.randint(1000, vocab - 1000) for _ in range(n)] for n in lens]
+        params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+        engine.reset_prefix_cache()
+        started = time.perf_counter()
+        streams = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+        for stream in streams:
+            stream.result()
+        ours = level * args.output_tokens / (time.perf_counter() - started)
+        row = {"concurrency": level, "pagedllm_tok_s": ours}
+        if hf is not None:
+            seconds = _hf_generate(hf, prompts, args.output_tokens, pad)
+            row["transformers_static_tok_s"] = level * args.output_tokens / seconds
+        rows.append(row)
+        print(json.dumps(row))
+    engine.shutdown()
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
