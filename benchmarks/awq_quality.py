@@ -166,8 +166,13 @@ def main() -> int:
             "awq": (out / "model.safetensors").stat().st_size,
         }
         engines = {}
-        for name, source in (("fp32", None), ("awq_int4", str(out))):
-            with LLM(source, disable_log_stats=True, max_model_len=1024) as llm:
+        runs = (
+            ("fp32", None, "auto"),  # the CPU engine runs float32 by default
+            ("awq_int4", str(out), "auto"),  # float32 activations: exact, slow int4 kernels
+            ("awq_int4_bf16", str(out), "bfloat16"),  # torch's AVX512 bf16 int4 kernel
+        )
+        for name, source, dtype in runs:
+            with LLM(source, disable_log_stats=True, max_model_len=1024, dtype=dtype) as llm:
                 answers, tok_s = chat_answers(llm, 40)
                 engines[name] = {
                     "weight_bytes": engine_weight_bytes(llm),
@@ -177,7 +182,7 @@ def main() -> int:
         results["engine"] = engines
 
     print()
-    print(f"{'':<10}{'perplexity':>12}{'ratio':>8}")
+    print(f"{'weights':<10}{'perplexity':>12}{'ratio':>8}")
     for key, label in (("fp32", "fp32"), ("rtn_int4", "RTN int4"), ("awq_int4", "AWQ int4")):
         ppl = results["perplexity"][key]
         print(f"{label:<10}{ppl:>12.3f}{ppl / ppl_fp:>8.3f}")
@@ -189,7 +194,7 @@ def main() -> int:
     for name, engine in engines.items():
         wb = engine["weight_bytes"]
         print(
-            f"{name:<9} linears {wb['decoder_linears'] / mib:7.1f} MiB, all weights "
+            f"{name:<14} linears {wb['decoder_linears'] / mib:7.1f} MiB, all weights "
             f"{wb['total'] / mib:7.1f} MiB, decode {engine['decode_tokens_per_s']:.1f} tok/s"
         )
         for question, answer in engine["answers"].items():

@@ -29,6 +29,9 @@ from .awq_format import PACK, AWQConfig, dequantize, parse_awq_config, unpack_in
 logger = logging.getLogger(__name__)
 
 _NATIVE_GROUP_SIZES = (32, 64, 128, 256)
+# torch's int4 CPU matmul is fast (AVX512) for bf16 activations only; in fp32 it is a slow
+# generic loop, faster than dequantizing tiles only for a handful of tokens (decode).
+_NATIVE_FP32_MAX_TOKENS = 4
 _TILE_ELEMENTS = 1 << 18  # full-precision elements per dequantized tile on the tiles path
 _AWQ_PARTS = ("qweight", "qzeros", "scales")
 
@@ -44,7 +47,9 @@ class AWQLinear(nn.Module):
 
     `cpu_kernel`: "auto" (native int4 when the shape allows, else tiles), "int4pack" or
     "tiles". On the native path the AWQ tensors are repacked once every shard has been
-    loaded, and the AWQ copies are released.
+    loaded. bf16/fp16 models then run torch's bf16 int4 kernel and release the AWQ copies;
+    float32 models keep them: exact float32 tiles for prefill, the native kernel in float32
+    for decode (up to _NATIVE_FP32_MAX_TOKENS tokens).
     """
 
     def __init__(
@@ -128,9 +133,14 @@ class AWQLinear(nn.Module):
         s = self.scales.to(torch.float32)
         z = unpack_int4(self.qzeros).to(torch.float32)
         self._scales_zeros = torch.stack([s, (8 - z) * s], dim=-1).contiguous()
-        self.qweight = None  # released: the repacked copy is the only one
-        self.qzeros = None
-        self.scales = None
+        if self.dtype in (torch.bfloat16, torch.float16):
+            # Low-precision models run every token count on the native bf16 kernel: the AWQ
+            # copies are not needed any more. float32 models keep them for the exact tiles
+            # path (prefill) and use the native kernel in float32 for decode only.
+            self._scales_zeros = self._scales_zeros.to(torch.bfloat16)
+            self.qweight = None
+            self.qzeros = None
+            self.scales = None
 
     def weight_bytes(self) -> int:
         """Bytes held for the weight (packed codes, zeros, scales, bias)."""
@@ -148,9 +158,12 @@ class AWQLinear(nn.Module):
             from .awq_triton import awq_linear_triton
 
             out = awq_linear_triton(x, self.qweight, self.qzeros, self.scales, self.group_size)
-        elif self._int4pack is not None:
+        elif self._int4pack is not None and (
+            self.qweight is None or x.shape[0] <= _NATIVE_FP32_MAX_TOKENS
+        ):
+            compute = self._scales_zeros.dtype  # bf16 for bf16/fp16 models, else float32
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.float32), self._int4pack, self.group_size, self._scales_zeros
+                x.to(compute), self._int4pack, self.group_size, self._scales_zeros
             ).to(x.dtype)
         else:
             out = self._forward_tiles(x)

@@ -44,16 +44,25 @@ def test_stacked_awq_linear_equals_dequantized_reference(kernel, group, dtype):
     torch.testing.assert_close(out.float(), reference, rtol=tol, atol=tol * 10)
 
 
-def test_native_path_releases_awq_copies_and_is_smaller_than_dense():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_path_memory_and_both_token_regimes(dtype):
     sizes, k = [256], 512
     (q,) = _shards(sizes, k, 64)
-    layer = AWQLinear(k, sizes, False, 64, torch.float32, CPU)
+    layer = AWQLinear(k, sizes, False, 64, dtype, CPU)
     assert layer.cpu_kernel == "int4pack"
     for suffix, tensor in q.pack().items():
         layer.load(suffix, tensor, 0)
-    assert layer.qweight is None  # only the repacked copy is held
     dense_bytes = 256 * 512 * 4
-    assert layer.weight_bytes() < dense_bytes / 6
+    if dtype == torch.bfloat16:
+        assert layer.qweight is None  # only the repacked copy is held
+        assert layer.weight_bytes() < dense_bytes / 6
+    else:  # AWQ copy (exact prefill tiles) + native copy (decode)
+        assert layer.weight_bytes() < dense_bytes / 3
+    for m in (1, 4, 5, 40):  # decode-sized and prefill-sized batches
+        x = torch.randn(m, k).to(dtype)
+        reference = x.float() @ q.dequantize().t()
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(layer(x).float(), reference, rtol=tol, atol=tol * 10)
 
 
 def test_shapes_torch_int4_cannot_take_fall_back_to_tiles():
