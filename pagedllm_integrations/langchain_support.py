@@ -1,26 +1,25 @@
-"""Plumbing shared by the LangChain wrappers: engine settings, sampling settings, running
-requests with a deadline (sync and async), and LangChain <-> OpenAI message conversion.
+"""Plumbing shared by PagedLLM and ChatPagedLLM: engine and sampling settings, the lazy
+shared engine, running requests with a deadline (sync and async), usage and logprobs.
 
-Kept apart from `langchain.py` so that file holds only the two public classes. Nothing
-here loads a model: the engine is built on the first call, never at construction.
+Nothing here loads a model: the engine is built on the first call, never at construction.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .engine.async_engine import AsyncEngine
+from .engine.async_engine import AsyncEngine, shared_engine
 from .engine.config import EngineConfig
 from .engine.llm_engine import RequestGroup
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 
+PROVIDER = "pagedllm"  # ls_provider and response_metadata["model_provider"]
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the embedded default model is called
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -88,6 +87,41 @@ def split_call_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             f"({sorted(SAMPLING_FIELDS)}) or bind tools with bind_tools()"
         )
     return {k: v for k, v in kwargs.items() if k in SAMPLING_FIELDS}
+
+
+class EngineOwner:
+    """Lazy access to the shared engine of a wrapper (mixed into both pydantic models, which
+    declare the private attributes `_config` and `_engine`)."""
+
+    _config: EngineConfig
+    _engine: AsyncEngine | None
+
+    def _get_engine(self) -> AsyncEngine:
+        # A shut-down engine (shutdown_shared_engines, a test) is replaced on the next call.
+        if self._engine is None or self._engine._stopped:
+            self._engine = shared_engine(self._config)
+        return self._engine
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The shared engine (loads the model on first access)."""
+        return self._get_engine()
+
+    def _model_name(self) -> str:
+        if self._engine is not None:
+            return self._engine.model_name
+        return display_model_name(self._config)
+
+
+def merge_sampling(
+    base: dict[str, Any], extra: dict[str, Any], call: dict[str, Any], stops
+) -> dict:
+    """Instance defaults < vllm_kwargs < call-time kwargs; stop strings are merged."""
+    merged = {k: v for k, v in base.items() if v is not None}
+    merged.update(extra)
+    merged.update(split_call_kwargs(call))
+    merged["stop"] = merge_stops(*stops, extra.get("stop"), call.get("stop"))
+    return merged
 
 
 # ----------------------------------------------------------------- running requests
@@ -227,163 +261,3 @@ def token_usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
         "total_tokens": prompt + completion,
         "cached_prompt_tokens": cached,
     }
-
-
-# ---------------------------------------------------------------------- messages
-def message_text(content: Any) -> str:
-    """Plain text of a message's content (a string or a list of content blocks)."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for block in content or []:
-        if isinstance(block, str):
-            parts.append(block)
-        elif isinstance(block, dict):
-            kind = block.get("type")
-            if kind == "text":
-                parts.append(block.get("text", ""))
-            elif kind in ("image", "image_url", "audio", "input_audio", "file", "video"):
-                raise ValueError(
-                    f"a {kind!r} content block was given, but pagedllm models read text only"
-                )
-            # tool_use / thinking / reasoning blocks: the tool calls travel in tool_calls.
-    return "".join(parts)
-
-
-def to_openai_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """LangChain messages -> OpenAI chat dicts, the form `render_chat_prompt` takes."""
-    from langchain_core.messages import (
-        AIMessage,
-        ChatMessage,
-        FunctionMessage,
-        HumanMessage,
-        SystemMessage,
-        ToolMessage,
-    )
-
-    result: list[dict[str, Any]] = []
-    for message in messages:
-        if isinstance(message, SystemMessage):
-            result.append({"role": "system", "content": message_text(message.content)})
-        elif isinstance(message, HumanMessage):
-            result.append({"role": "user", "content": message_text(message.content)})
-        elif isinstance(message, AIMessage):
-            entry: dict[str, Any] = {
-                "role": "assistant",
-                "content": message_text(message.content),
-            }
-            if message.tool_calls:
-                entry["tool_calls"] = [
-                    {
-                        "id": call.get("id") or f"call_{i}",
-                        "type": "function",
-                        "function": {
-                            "name": call["name"],
-                            "arguments": json.dumps(call["args"], ensure_ascii=False),
-                        },
-                    }
-                    for i, call in enumerate(message.tool_calls)
-                ]
-            result.append(entry)
-        elif isinstance(message, ToolMessage):
-            entry = {
-                "role": "tool",
-                "content": message_text(message.content),
-                "tool_call_id": message.tool_call_id,
-            }
-            if message.name:
-                entry["name"] = message.name
-            result.append(entry)
-        elif isinstance(message, FunctionMessage):
-            result.append(
-                {"role": "tool", "content": message_text(message.content), "name": message.name}
-            )
-        elif isinstance(message, ChatMessage):
-            result.append({"role": message.role, "content": message_text(message.content)})
-        else:
-            raise ValueError(
-                f"cannot send a {type(message).__name__} to the model: use System, Human, AI, "
-                "Tool or Chat messages"
-            )
-    return result
-
-
-def normalize_tool_choice(tool_choice: Any, tool_names: list[str]) -> str | dict | None:
-    """LangChain's tool_choice spellings -> OpenAI's: auto, none, required, or a named tool."""
-    if tool_choice is None:
-        return None
-    if tool_choice == "auto":
-        return "auto"
-    if tool_choice in ("any", "required"):
-        return "required"
-    if tool_choice is True:
-        if len(tool_names) != 1:
-            raise ValueError("tool_choice=True needs exactly one tool; name the tool instead")
-        tool_choice = tool_names[0]
-    if tool_choice is False or tool_choice == "none":
-        return "none"
-    if isinstance(tool_choice, str):
-        name = tool_choice
-    elif isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-        if not name:
-            raise ValueError(f"tool_choice dict {tool_choice!r} names no function")
-    else:
-        raise ValueError(
-            f"tool_choice must be 'auto', 'any', 'required', 'none', a tool name or a dict; "
-            f"got {tool_choice!r}"
-        )
-    if name not in tool_names:
-        raise ValueError(f"tool_choice names {name!r}, but the bound tools are {tool_names}")
-    return {"type": "function", "function": {"name": name}}
-
-
-class ToolCallGate:
-    """Splits streamed text, with tools bound, into what is surely answer text (sent at once)
-    and what may be a tool call (held until the end, when `parse_tool_calls` decides).
-
-    Held: output that opens like a bare JSON call (`{`, `[`, a code fence), everything from
-    a `<tool_call>` tag on, and a tail that could be the start of that tag.
-    """
-
-    def __init__(self, call_open: str) -> None:
-        self.call_open = call_open
-        self.sent = ""
-        self.pending = ""
-        self.holding = False
-
-    def feed(self, delta: str) -> str:
-        """Add new text; return the part that can be shown now."""
-        self.pending += delta
-        if self.holding:
-            return ""
-        if not self.sent:
-            head = self.pending.lstrip()
-            if not head:
-                return ""
-            if head[0] in "{[`":
-                self.holding = True
-                return ""
-        index = self.pending.find(self.call_open)
-        if index >= 0:
-            ready, self.pending = self.pending[:index], self.pending[index:]
-            self.holding = True
-        else:
-            keep = _partial_tag_length(self.pending, self.call_open)
-            cut = len(self.pending) - keep
-            ready, self.pending = self.pending[:cut], self.pending[cut:]
-        self.sent += ready
-        return ready
-
-    def finish(self) -> str:
-        """The held text (to parse for calls) at the end of the output."""
-        held, self.pending = self.pending, ""
-        return held
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0

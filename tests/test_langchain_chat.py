@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from pagedllm_integrations.engine.tool_calls import CALL_OPEN, render_chat_prompt
 from pagedllm_integrations.langchain import ChatPagedLLM, PagedLLM
-from pagedllm_integrations.langchain_support import (
+from pagedllm_integrations.langchain_messages import (
     ToolCallGate,
     to_openai_messages,
 )

@@ -1,0 +1,57 @@
+"""The LangChain examples run as a user runs them (a fresh process, offline), small."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("langchain_core")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(name: str, *args: str) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_rag_example_streams_answers_and_reads_the_prefix_cache() -> None:
+    out = run_example("rag_langchain.py", "--questions", "2", "--max-tokens", "16")
+    hits = [int(h) for h in re.findall(r"prefix cache: (\d+) of \d+ prompt tokens", out)]
+    assert len(hits) == 2, out
+    assert hits[0] == 0 and hits[1] > 300, out  # the shared system prompt, from the cache
+    closing = re.search(r"([\d.]+) tokens/s; prefix-cache hit rate ([\d.]+)%", out)
+    assert closing is not None, out
+    assert float(closing.group(1)) > 0 and float(closing.group(2)) > 25
+
+
+def test_agent_example_calls_a_tool_and_answers() -> None:
+    out = run_example(
+        "agent_langchain.py", "--question", "When is the shop open on Sunday?", "--max-tokens", "48"
+    )
+    call = re.search(r"model calls (\w+)\(", out)
+    assert call is not None and call.group(1) in ("opening_hours", "rental_price"), out
+    assert re.search(rf"tool {call.group(1)} returns: .+", out), out
+    assert re.search(r"assistant: .+", out), out
+
+
+def test_structured_output_example_fills_the_schema() -> None:
+    out = run_example("structured_output.py", "--max-tokens", "48")
+    orders = re.findall(
+        r"order: +BikeOrder\(customer='(\w*)', bike_type='(\w+)', days=(\d+)\)", out
+    )
+    assert len(orders) == 2, out
+    assert {bike for _, bike, _ in orders} <= {"city", "mountain", "electric"}
