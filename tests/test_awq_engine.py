@@ -47,7 +47,7 @@ def _reference_logprobs(model, prompt_ids: list[int], generated: list[int]) -> t
 
 def _assert_engine_matches(folder, model, tokenizer, atol: float, greedy: bool = True) -> None:
     """Engine log-probs (top 5 at each greedy step) equal the reference model's."""
-    with LLM(str(folder), disable_log_stats=True) as llm:
+    with LLM(str(folder), dtype="float32", disable_log_stats=True) as llm:
         outputs = llm.generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5), use_tqdm=False
         )
@@ -148,7 +148,7 @@ def test_quantize_cli_writes_a_checkpoint_the_engine_serves(tiny_llama_factory, 
     assert code == 0
     assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 32
     assert (out / "tokenizer.json").exists()
-    with LLM(str(out), disable_log_stats=True) as llm:
+    with LLM(str(out), dtype="float32", disable_log_stats=True) as llm:
         text = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(text[0].outputs[0].token_ids) == 4
     bad = cli_main(

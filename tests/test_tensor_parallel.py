@@ -25,7 +25,7 @@ from pagedllm_integrations.engine.model_loader import read_config
 from pagedllm_integrations.engine.models.llama import LlamaConfig
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
-ENGINE_ARGS = dict(disable_log_stats=True, num_kv_blocks=96, max_model_len=512)
+ENGINE_ARGS = dict(disable_log_stats=True, num_kv_blocks=96, max_model_len=512, dtype="float32")
 
 
 def _greedy(llm: LLM, max_tokens: int = 12, logprobs: int | None = 3):
