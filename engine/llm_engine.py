@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,11 @@ from .model_loader import iter_weights, load_tokenizer, read_config, resolve_mod
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.layers import LinearFactory, dense_linear
 from .models.llama import LlamaConfig, LlamaForCausalLM
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .output_processor import RequestGroup, finished_request_stats, make_request_output
+from .outputs import Logprob, RequestOutput
 from .request import Request, RequestStatus
 from .sampler import Sampler
-from .sampling_params import RequestOutputKind, SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -45,25 +45,6 @@ _DTYPES = {
 }
 _DEFAULT_CPU_KV_BYTES = 1 * GiB
 _DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-@dataclass(eq=False, slots=True)
-class RequestGroup:
-    """One user request: its prompt and the `n` sampled sequences (children)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[Request]
-    arrival_time: float
-    # What DELTA outputs already sent, per child: (characters, tokens).
-    sent: list[tuple[int, int]] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(child.is_finished for child in self.children)
 
 
 class LLMEngine:
@@ -497,72 +478,10 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- outputs
     def _make_output(self, group: RequestGroup) -> RequestOutput | None:
-        finished = group.finished
-        kind = group.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        outputs = []
-        for index, child in enumerate(group.children):
-            assert child.detokenizer is not None
-            text = child.detokenizer.streamable_text(child.is_finished)
-            token_ids = child.output_token_ids
-            logprobs = child.logprobs
-            if kind == RequestOutputKind.DELTA:
-                sent_chars, sent_tokens = group.sent[index]
-                group.sent[index] = (len(text), len(token_ids))
-                text, token_ids = text[sent_chars:], token_ids[sent_tokens:]
-                logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-            else:
-                token_ids = list(token_ids)
-                logprobs = list(logprobs) if logprobs is not None else None
-            outputs.append(
-                CompletionOutput(
-                    index=child.sample_index,
-                    text=text,
-                    token_ids=token_ids,
-                    cumulative_logprob=child.cumulative_logprob
-                    if child.logprobs is not None
-                    else None,
-                    logprobs=logprobs,
-                    finish_reason=child.status.finish_reason,
-                    stop_reason=child.stop_reason,
-                )
-            )
-        first = group.children[0]
-        metrics = RequestMetrics(
-            arrival_time=group.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.first_token_time,
-            last_token_time=first.last_token_time,
-            finished_time=time.monotonic() if finished else None,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            num_preemptions=sum(c.num_preemptions for c in group.children),
-        )
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=metrics.num_cached_tokens,
-            error=group.error,
-        )
+        return make_request_output(group)
 
     def _record_finished(self, group: RequestGroup, iteration: IterationStats) -> None:
-        from .metrics import FinishedRequestStats
-
-        now = time.monotonic()
-        for child in group.children:
-            iteration.finished.append(
-                FinishedRequestStats(
-                    finish_reason=child.status.finish_reason or "abort",
-                    e2e_latency=now - child.arrival_time,
-                    num_prompt_tokens=child.num_prompt_tokens,
-                    num_generation_tokens=child.num_output_tokens,
-                    queue_time=(child.first_scheduled_time or now) - child.arrival_time,
-                )
-            )
+        iteration.finished.extend(finished_request_stats(group))
 
     def scheduler_stats(self) -> SchedulerStats:
         running, kv, block_size = self.scheduler.running, self.kv_manager, self.config.block_size
