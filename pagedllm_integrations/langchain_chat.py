@@ -215,6 +215,14 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
             metadata["logprobs"] = {"content": format_logprobs(completion, call.logprobs)}
         return metadata
 
+    def _combine_llm_outputs(self, llm_outputs: list[dict | None]) -> dict:
+        """generate() over several conversations: token usage added up."""
+        usage: dict[str, int] = {}
+        for output in llm_outputs:
+            for key, value in ((output or {}).get("token_usage") or {}).items():
+                usage[key] = usage.get(key, 0) + value
+        return {"token_usage": usage, "model_name": self._model_name()}
+
     def _result(self, output: RequestOutput, call: _ChatCall) -> ChatResult:
         generations = [self._message(output, i, call) for i in range(len(output.outputs))]
         usage = token_usage([output])
@@ -356,7 +364,7 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
             name = convert_to_openai_tool(schema)["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=trace)
             parser: Runnable = (
-                PydanticToolsParser(tools=[schema], first_tool_only=True)
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
                 if is_pydantic
                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
             )
@@ -364,12 +372,14 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
             if method == "json_schema":
                 if schema is None:
                     raise ValueError("method='json_schema' needs a schema; or use json_mode")
-                constraint = {"json": convert_to_json_schema(schema)}
+                constraint: dict[str, Any] = {"json": convert_to_json_schema(schema)}
             else:
                 constraint = {"json_object": True}
             llm = self.bind(structured_outputs=constraint, ls_structured_output_format=trace)
             parser = (
-                PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+                PydanticOutputParser(pydantic_object=schema)  # type: ignore[arg-type]
+                if is_pydantic
+                else JsonOutputParser()
             )
         else:
             raise ValueError(

@@ -100,6 +100,7 @@ def normalize_tool_choice(tool_choice: Any, tool_names: list[str]) -> str | dict
         tool_choice = tool_names[0]
     if tool_choice is False or tool_choice == "none":
         return "none"
+    name: Any
     if isinstance(tool_choice, str):
         name = tool_choice
     elif isinstance(tool_choice, dict):

@@ -302,3 +302,13 @@ def test_chat_and_llm_with_equal_settings_share_one_engine(chat: ChatPagedLLM) -
         "chat",
         "override",
     )
+
+
+def test_n_candidates_in_one_chat_call() -> None:
+    chat = ChatPagedLLM(n=3, temperature=1.0, max_tokens=4, seed=11, engine_kwargs=ENGINE)
+    result = chat.generate([[HumanMessage("Name an animal.")]], ignore_eos=True)
+    (candidates,) = result.generations
+    assert len(candidates) == 3
+    assert all(c.message.content for c in candidates)
+    # Usage is counted once per call: the prompt once, the tokens of all three answers.
+    assert result.llm_output["token_usage"]["completion_tokens"] == 3 * 4

@@ -3,8 +3,9 @@
 The unit suite runs entirely. The integration suite runs on the embedded
 SmolLM2-135M-Instruct on CPU, every test instance sharing one engine. The tests marked
 xfail below ask for answers a 135M-parameter model does not give reliably; each reason
-says what the model cannot do (the feature under test works: tests/test_langchain_chat.py
-checks each of them where the model's answer does not matter).
+says what the model cannot do. The features under test work: tests/test_langchain_chat.py
+checks forced, named and streamed tool calls, and tests/test_langchain_rag.py runs a
+LangGraph agent loop, where the model's choice of numbers does not matter.
 """
 
 from __future__ import annotations
