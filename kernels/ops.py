@@ -50,6 +50,8 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     backend: str = "auto",
+    k_new: torch.Tensor | None = None,  # [T, Hkv, D]: lets the CPU path skip a gather
+    v_new: torch.Tensor | None = None,  # [T, Hkv, D]
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged keys and values.
 
@@ -73,5 +75,15 @@ def paged_attention(
             max_seqlen_k=max_seqlen_k,
         )
     return reference.paged_attention(
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale,
+        sliding_window,
+        k_new=k_new,
+        v_new=v_new,
     )

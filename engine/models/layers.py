@@ -180,13 +180,19 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos().to(dtype).to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype).to(device), persistent=False)
+        # Every layer of one forward pass gets the same positions tensor: look its cos/sin
+        # rows up once per pass, not once per layer.
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        if positions is not self._positions or self._cos_sin is None:
+            self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            self._positions = positions
+        cos, sin = self._cos_sin  # [T, 1, D] each
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -157,6 +157,8 @@ class LlamaAttention(nn.Module):
             max_seqlen_q=meta.max_seqlen_q,
             max_seqlen_k=meta.max_seqlen_k,
             backend=meta.backend,
+            k_new=k,
+            v_new=v,
         )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
