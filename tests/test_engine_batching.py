@@ -21,10 +21,14 @@ def tiny_engine(tiny_llama_dir):
 
 def prompts_for_concurrency(n: int) -> list[str]:
     topics = ["rivers", "stars", "bread", "trains", "music", "glaciers", "owls", "maps"]
-    return [f"Question {i}: tell me about {topics[i % len(topics)]} number {i * 7}." for i in range(n)]
+    return [
+        f"Question {i}: tell me about {topics[i % len(topics)]} number {i * 7}." for i in range(n)
+    ]
 
 
-def solo_outputs(engine: AsyncEngine, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+def solo_outputs(
+    engine: AsyncEngine, prompts: list[str], params: SamplingParams
+) -> list[list[int]]:
     return [engine.add_request(p, params).result().outputs[0].token_ids for p in prompts]
 
 

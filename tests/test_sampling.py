@@ -112,9 +112,9 @@ def test_same_seed_same_output_whatever_shares_the_batch(default_llm):
         use_tqdm=False,
     )
     assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
-    other_seed = default_llm.generate(
-        "Write a short poem.", seeded.clone(seed=99), use_tqdm=False
-    )[0]
+    other_seed = default_llm.generate("Write a short poem.", seeded.clone(seed=99), use_tqdm=False)[
+        0
+    ]
     assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
 
 

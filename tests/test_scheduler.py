@@ -98,7 +98,9 @@ def test_preemption_frees_the_newest_request_and_it_recomputes_later():
 
 
 def test_swap_space_keeps_computed_tokens_of_a_preempted_request():
-    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False, num_swap_blocks=8)
+    scheduler = make_scheduler(
+        num_blocks=6, block_size=4, budget=64, caching=False, num_swap_blocks=8
+    )
     requests = [make_request(f"r{i}", 7, max_tokens=6, start=100 * i) for i in range(3)]
     for r in requests:
         scheduler.add_request(r)
