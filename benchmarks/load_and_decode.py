@@ -36,7 +36,7 @@ def measure_pagedllm(model: str | None, tokens: int) -> dict:
 
     base = rss_mib()
     started = time.perf_counter()
-    llm = LLM(model, disable_log_stats=True, kv_cache_memory=256 << 20)
+    llm = LLM(model, disable_log_stats=True, max_model_len=2048, kv_cache_memory=256 << 20)
     load = time.perf_counter() - started
     weights = sum(p.numel() * p.element_size() for p in llm.engine.engine.model.parameters())
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
