@@ -5,7 +5,8 @@ Workloads (random token ids, EOS ignored, so every request produces exactly its 
   mixed    64 requests, prompts uniform in 32..1024, outputs uniform in 16..256
 
 Baselines, same model and dtype, same process:
-  hf-solo    `generate` one request at a time (timed on a sample, extrapolated to all)
+  hf-solo    `generate` one request at a time (timed on a sample, extrapolated to all
+             by a fit of prompt and output lengths)
   hf-static  padded static batches of 16: a batch runs until its longest request is done
 
 Used by `pagedllm bench` and `benchmarks/throughput.py`; prints a table, writes JSON.
@@ -141,15 +142,21 @@ def _hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int) -> 
 
 
 def run_hf_solo(model, workload: Workload, sample: int, pad_id: int) -> RunResult:
-    """One request at a time, timed on `sample` requests and extrapolated to the workload."""
-    indexes = list(range(0, len(workload.prompts), max(len(workload.prompts) // sample, 1)))[
-        :sample
-    ]
-    seconds = sum(
-        _hf_generate(model, [workload.prompts[i]], workload.output_lens[i], pad_id) for i in indexes
-    )
-    sampled_tokens = sum(workload.output_lens[i] for i in indexes)
-    total_seconds = seconds * workload.output_tokens / sampled_tokens
+    """One request at a time, timed on `sample` requests and extrapolated to the workload.
+
+    A request alone costs its prefill (about proportional to its prompt) plus one decode
+    step per output token, so the sample's times are fitted as a * prompt + b * output and
+    the fit is summed over every request; with one sample, or a fit that is not positive,
+    the time scales with output tokens alone.
+    """
+    step = max(len(workload.prompts) // sample, 1)
+    indexes = list(range(0, len(workload.prompts), step))[:sample]
+    timed = [
+        (len(workload.prompts[i]), workload.output_lens[i],
+         _hf_generate(model, [workload.prompts[i]], workload.output_lens[i], pad_id))
+        for i in indexes
+    ]  # fmt: skip
+    total_seconds = _extrapolate(timed, workload)
     n = len(workload.prompts)
     return RunResult(
         "hf-solo",
@@ -157,8 +164,23 @@ def run_hf_solo(model, workload: Workload, sample: int, pad_id: int) -> RunResul
         total_seconds,
         n / total_seconds,
         workload.output_tokens / total_seconds,
-        extrapolated_from=len(indexes),
+        extrapolated_from=len(indexes) if len(indexes) < n else None,
+        extra={"timed": [list(t) for t in timed]},
     )
+
+
+def _extrapolate(timed: list[tuple[int, int, float]], workload: Workload) -> float:
+    """Seconds for the whole workload from (prompt_len, output_len, seconds) samples."""
+    if len(timed) == len(workload.prompts):
+        return sum(t for _, _, t in timed)
+    if len(timed) >= 2:
+        x = torch.tensor([[p, o] for p, o, _ in timed], dtype=torch.float64)
+        y = torch.tensor([t for _, _, t in timed], dtype=torch.float64)
+        a, b = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].tolist()
+        if a > 0 and b > 0:
+            return a * sum(len(p) for p in workload.prompts) + b * workload.output_tokens
+    sampled_output = sum(o for _, o, _ in timed)
+    return sum(t for _, _, t in timed) * workload.output_tokens / sampled_output
 
 
 def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> RunResult:
@@ -191,7 +213,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
     parser.add_argument("--workloads", default="uniform,mixed")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
-        "--hf-solo-sample", type=int, default=6, help="requests timed one at a time"
+        "--hf-solo-sample",
+        type=int,
+        default=8,
+        help="requests timed one at a time (the rest extrapolated; the request count: all)",
     )
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="time pagedllm only")
