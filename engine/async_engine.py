@@ -6,6 +6,14 @@ one `RequestStream` per request. An asyncio caller's stream is fed with
 `loop.call_soon_threadsafe`, so the event loop never blocks on the engine.
 
 This is what turns twenty concurrent LangChain calls into one batch.
+
+The thread ends after `IDLE_EXIT_SECONDS` without work and a new one starts with the next
+command. An idle engine must cost the application nothing, and a parked thread does not:
+torch's OpenMP runtime (libgomp) keeps a worker pool for every thread that ran a parallel
+op, and once the process holds more pool threads than CPUs every parallel region in every
+thread stops spinning and sleeps between regions. Measured on 2 cores: small torch ops in
+the caller's thread (an embedding model, transformers) ran 3-5x slower while an idle
+engine thread kept its pool, and at full speed again once that thread had ended.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+IDLE_EXIT_SECONDS = 0.5
 
 
 class EngineDeadError(RuntimeError):
@@ -94,8 +104,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        self._dead = False  # the thread raised: nothing restarts it
+        self._thread: threading.Thread | None = None  # None while parked (no work)
 
     # -------------------------------------------------------------- properties
     @property
@@ -117,11 +127,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """True while the engine thread serves requests (not shut down, not dead)."""
-        return self._thread.is_alive() and not self._stopped
+        return not (self._stopped or self._dead)
 
     def add_stat_logger(self, stat_logger) -> None:
         """Register a StatLogger; it is called on the engine thread after every step."""
-        self._commands.put(("call", lambda: self.engine.stat_loggers.append(stat_logger)))
+        self._send("call", lambda: self.engine.stat_loggers.append(stat_logger))
 
     def remove_stat_logger(self, stat_logger) -> None:
         """Unregister a StatLogger (a no-op if it is not registered)."""
@@ -130,7 +140,7 @@ class AsyncEngine:
             if stat_logger in self.engine.stat_loggers:
                 self.engine.stat_loggers.remove(stat_logger)
 
-        self._commands.put(("call", remove))
+        self._send("call", remove)
 
     # ---------------------------------------------------------------- requests
     def add_request(
@@ -154,19 +164,32 @@ class AsyncEngine:
         sink: queue.Queue | None = None,
     ) -> RequestStream:
         """Submit a request already made by `engine.process_inputs` (validated, tokenized)."""
-        stream = RequestStream(group.request_id, loop=loop, sink=sink)
+        return self.submit_many([group], loop=loop, sink=sink)[0]
+
+    def submit_many(
+        self,
+        groups: list[RequestGroup],
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> list[RequestStream]:
+        """Submit requests together: the engine adds every one of them before its next step,
+        so the scheduler sees the whole batch at once (priorities hold from the first step)."""
+        streams = [RequestStream(group.request_id, loop=loop, sink=sink) for group in groups]
         with self._lock:
-            if self._stopped:
-                raise EngineDeadError("the engine has been shut down")
-            if group.request_id in self._streams:
-                raise ValueError(f"request id {group.request_id!r} is already in flight")
-            self._streams[group.request_id] = stream
-        self._commands.put(("add", group))
-        return stream
+            if self._stopped or self._dead:
+                raise EngineDeadError("the engine has been shut down or its thread died")
+            ids = [group.request_id for group in groups]
+            taken = [i for i in ids if i in self._streams] or [i for i in ids if ids.count(i) > 1]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in flight")
+            for stream in streams:
+                self._streams[stream.request_id] = stream
+        self._send("add", groups)
+        return streams
 
     def abort(self, request_id: str) -> None:
         """End a request from any thread; its stream gets a final output (finish_reason 'abort')."""
-        self._commands.put(("abort", request_id))
+        self._send("abort", request_id)
 
     async def generate(
         self,
@@ -206,7 +229,7 @@ class AsyncEngine:
     def call(self, fn):
         """Run fn() on the engine thread and return its result (for stats, cache resets)."""
         done: queue.Queue = queue.Queue()
-        self._commands.put(("call", lambda: done.put(fn())))
+        self._send("call", lambda: done.put(fn()))
         return done.get()
 
     def reset_prefix_cache(self) -> bool:
@@ -220,8 +243,12 @@ class AsyncEngine:
             if self._stopped:
                 return
             self._stopped = True
-        self._commands.put(("stop", None))
-        self._thread.join(timeout=30)
+            self._commands.put(("stop", None))
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=30)
+        else:  # parked: nobody is left to fail the streams
+            self._fail_all(EngineDeadError("the engine has been shut down"))
         self.engine.shutdown()
 
     def __enter__(self) -> AsyncEngine:
@@ -231,32 +258,58 @@ class AsyncEngine:
         self.shutdown()
 
     # ------------------------------------------------------------- the thread
+    def _send(self, kind: str, payload: Any) -> None:
+        """Queue a command for the engine thread, starting the thread if it is parked."""
+        with self._lock:
+            self._commands.put((kind, payload))
+            if self._thread is None and not self._dead:
+                self._thread = threading.Thread(
+                    target=self._run, name="pagedllm-engine", daemon=True
+                )
+                self._thread.start()
+
+    def _park(self) -> bool:
+        """End the thread if no command came in meanwhile (under the lock `_send` takes)."""
+        with self._lock:
+            if not self._commands.empty():
+                return False
+            self._thread = None
+            return True
+
     def _run(self) -> None:
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
-                if not self._drain_commands(block=idle):
+                keep_going = self._drain_commands(block=idle)
+                if keep_going is None:
+                    if self._park():
+                        return
+                    continue
+                if not keep_going:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
         except BaseException as error:  # the thread must never die silently
             logger.exception("engine thread died")
+            self._dead = True
             self._fail_all(EngineDeadError(f"engine thread died: {error}"))
             raise
         self._fail_all(EngineDeadError("the engine has been shut down"))
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; False once asked to stop."""
+    def _drain_commands(self, block: bool) -> bool | None:
+        """Apply queued commands; False once asked to stop, None after IDLE_EXIT_SECONDS
+        of waiting (when blocking) with nothing to do."""
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=IDLE_EXIT_SECONDS if block else None)
         except queue.Empty:
-            return True
+            return None if block else True
         while True:
             kind, payload = command
             if kind == "stop":
                 return False
             if kind == "add":
-                self._add(payload)
+                for group in payload:
+                    self._add(group)
             elif kind == "abort":
                 output = self.engine.abort_request(payload)
                 if output is not None:
@@ -330,7 +383,7 @@ def shared_engine(config: EngineConfig) -> AsyncEngine:
     key = config.cache_key()
     with _shared_lock:
         engine = _shared.get(key)
-        if engine is None or engine._stopped:
+        if engine is None or not engine.is_running:
             engine = create_engine(config)
             _shared[key] = engine
         return engine

@@ -64,8 +64,7 @@ class LLM:
         done: queue.Queue = queue.Queue()
         streams: list[RequestStream] = []
         try:
-            for group in groups:
-                streams.append(self.engine.submit(group, sink=done))
+            streams.extend(self.engine.submit_many(groups, sink=done))
             results: dict[str, RequestOutput] = {}
             with tqdm(
                 total=len(streams), desc="generate", disable=not use_tqdm, unit="req"

@@ -211,3 +211,44 @@ def test_priority_scheduling_runs_urgent_requests_first(tiny_llama_dir):
         )
         order = sorted(outputs, key=lambda o: o.metrics.first_token_time)
         assert order[0].prompt == "urgent"
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "pagedllm-engine" and t.is_alive()]
+
+
+def test_an_idle_engine_parks_its_thread_and_wakes_for_the_next_request(tiny_llama_dir):
+    """No thread (and so no OpenMP pool) is kept while idle; every command restarts one."""
+    import time
+
+    from pagedllm_integrations.engine import async_engine
+
+    engine = AsyncEngine(model=str(tiny_llama_dir), disable_log_stats=True)
+    try:
+        assert engine.is_running and not engine_threads()  # nothing started before any work
+        first = engine.add_request("wake up", GREEDY).result().outputs[0].token_ids
+        deadline = time.monotonic() + 10 * async_engine.IDLE_EXIT_SECONDS + 5
+        while engine_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine_threads(), "the idle engine thread did not end"
+        assert engine.is_running
+        # Each kind of command wakes it: a request (same output), a call, an abort.
+        assert engine.add_request("wake up", GREEDY).result().outputs[0].token_ids == first
+        assert all_blocks_free(engine)
+        engine.abort("no-such-request")
+        stream = engine.add_request("again", SamplingParams(temperature=0, max_tokens=200))
+        engine.abort(stream.request_id)
+        assert stream.result().outputs[0].finish_reason == "abort"
+        assert all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+    assert not engine.is_running and not engine_threads()
+
+
+def test_shutting_down_a_parked_engine_refuses_new_requests(tiny_llama_dir):
+    from pagedllm_integrations.engine.async_engine import EngineDeadError
+
+    engine = AsyncEngine(model=str(tiny_llama_dir), disable_log_stats=True)
+    engine.shutdown()  # its thread never started
+    with pytest.raises(EngineDeadError):
+        engine.add_request("too late", GREEDY)

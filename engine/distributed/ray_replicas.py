@@ -235,6 +235,14 @@ class RayReplicaEngine(AsyncEngine):
     def call(self, fn):
         return fn()
 
+    def submit_many(self, groups, loop=None, sink=None) -> list[RequestStream]:
+        return [self.submit(group, loop=loop, sink=sink) for group in groups]
+
+    @property
+    def is_running(self) -> bool:
+        """True while the router's event-loop thread runs (not shut down)."""
+        return self._thread.is_alive() and not self._stopped
+
     # ---------------------------------------------------------------- requests
     def submit(
         self,
