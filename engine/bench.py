@@ -73,15 +73,27 @@ def make_workload(name: str, num_requests: int, vocab_size: int, seed: int = 0) 
 
 
 class _KVWatcher:
-    """A stat logger that keeps the worst KV-cache usage and waste seen during a run."""
+    """A stat logger that keeps the worst KV-cache usage and waste seen during a run, and
+    splits the run's time between steps that carry prompt tokens and decode-only steps."""
 
     def __init__(self) -> None:
         self.usage_max = 0.0
         self.waste_max = 0.0
         self.waste_sum = 0.0
         self.steps = 0
+        self.last_step_end = time.perf_counter()
+        self.seconds = {"prefill_steps": 0.0, "decode_steps": 0.0}
+        self.counts = {"prefill_steps": 0, "decode_steps": 0}
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        now = time.perf_counter()
+        # More tokens than sequences: some sequence fed (part of) its prompt this step.
+        kind = (
+            "prefill_steps" if iteration.num_batched_tokens > iteration.num_seqs else "decode_steps"
+        )
+        self.seconds[kind] += now - self.last_step_end
+        self.counts[kind] += 1
+        self.last_step_end = now
         self.usage_max = max(self.usage_max, scheduler.kv_cache_usage)
         if scheduler.kv_slots_reserved:
             waste = 1.0 - scheduler.kv_tokens_held / scheduler.kv_slots_reserved
@@ -91,9 +103,9 @@ class _KVWatcher:
 
 
 def run_pagedllm(engine: AsyncEngine, workload: Workload) -> RunResult:
+    engine.reset_prefix_cache()
     watcher = _KVWatcher()
     engine.add_stat_logger(watcher)
-    engine.reset_prefix_cache()
     started = time.perf_counter()
     streams = [
         engine.add_request(
@@ -119,6 +131,10 @@ def run_pagedllm(engine: AsyncEngine, workload: Workload) -> RunResult:
         kv_usage_max=watcher.usage_max,
         kv_waste_mean=watcher.waste_sum / max(watcher.steps, 1),
         kv_waste_max=watcher.waste_max,
+        extra={
+            "seconds": {k: round(v, 2) for k, v in watcher.seconds.items()},
+            "steps": watcher.counts,
+        },
     )
 
 
@@ -280,6 +296,12 @@ def _print_table(results: list[RunResult]) -> None:
             notes.append(
                 f"KV waste mean {100 * (r.kv_waste_mean or 0):.2f}% "
                 f"max {100 * (r.kv_waste_max or 0):.2f}%"
+            )
+        if "seconds" in r.extra:
+            split = r.extra["seconds"]
+            notes.append(
+                f"steps with prompt tokens {split['prefill_steps']:.1f}s, "
+                f"decode-only {split['decode_steps']:.1f}s"
             )
         if r.extrapolated_from:
             notes.append(f"timed on {r.extrapolated_from} requests")

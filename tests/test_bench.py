@@ -47,4 +47,6 @@ def test_bench_runs_against_transformers(tmp_path, capsys):
     ours = systems["pagedllm"]
     assert 0 < ours["kv_usage_max"] <= 1 and 0 <= ours["kv_waste_mean"] < 0.04
     assert systems["hf-solo"]["extrapolated_from"] == 2
+    assert set(ours["extra"]["seconds"]) == {"prefill_steps", "decode_steps"}
+    assert ours["extra"]["steps"]["prefill_steps"] >= 1
     assert "workload: uniform" in capsys.readouterr().out
