@@ -33,30 +33,40 @@ def main() -> int:
     args = parser.parse_args()
 
     engine = AsyncEngine(model=args.model, disable_log_stats=True, max_model_len=2048)
-    hf = None if args.skip_hf else load_hf_model(engine)
     pad = engine.tokenizer.eos_token_id or 0
     rng = random.Random(0)
     vocab = engine.engine.vocab_size
-    rows = []
-    for level in [int(x) for x in args.levels.split(",")]:
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    levels = [int(x) for x in args.levels.split(",")]
+    batches = []
+    for level in levels:
         lens = [
             rng.randint(args.prompt_tokens // 2, args.prompt_tokens * 3 // 2) for _ in range(level)
         ]
-        prompts = [[rng.randint(1000, vocab - 1000) for _ in range(n)] for n in lens]
-        params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+        batches.append([[rng.randint(1000, vocab - 1000) for _ in range(n)] for n in lens])
+    rows = []
+    for level, prompts in zip(levels, batches):
         engine.reset_prefix_cache()
         started = time.perf_counter()
         streams = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
         for stream in streams:
             stream.result()
-        ours = level * args.output_tokens / (time.perf_counter() - started)
-        row = {"concurrency": level, "pagedllm_tok_s": ours}
-        if hf is not None:
-            seconds = _hf_generate(hf, prompts, args.output_tokens, pad)
-            row["transformers_static_tok_s"] = level * args.output_tokens / seconds
-        rows.append(row)
-        print(json.dumps(row))
+        rows.append(
+            {
+                "concurrency": level,
+                "pagedllm_tok_s": level * args.output_tokens / (time.perf_counter() - started),
+            }
+        )
     engine.shutdown()
+    # transformers only once the engine is gone: with both OpenMP pools alive on a small
+    # machine, each system's parallel ops throttle the other's.
+    if not args.skip_hf:
+        hf = load_hf_model(engine)
+        for row, prompts in zip(rows, batches):
+            seconds = _hf_generate(hf, prompts, args.output_tokens, pad)
+            row["transformers_static_tok_s"] = row["concurrency"] * args.output_tokens / seconds
+    for row in rows:
+        print(json.dumps(row))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))

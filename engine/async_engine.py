@@ -99,7 +99,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None, **engine_args: Any):
         self.config = config if config is not None else EngineConfig.from_kwargs(**engine_args)
-        self.engine = LLMEngine(self.config)
+        self.engine = _load_off_thread(self.config)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -362,6 +362,30 @@ class AsyncEngine:
             self._streams.clear()
         for stream in streams:
             stream.put(error)
+
+
+def _load_off_thread(config: EngineConfig) -> LLMEngine:
+    """Build the LLMEngine in a short-lived thread and wait for it (errors re-raised here).
+
+    Loading runs parallel torch ops; done in the caller's thread, it would leave that
+    thread an OpenMP pool for good, and two pools on a small machine throttle each other
+    (see the module docstring). A server's or an app's main thread then keeps none.
+    """
+    result: list[LLMEngine] = []
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            result.append(LLMEngine(config))
+        except BaseException as error:  # handed to the caller
+            failure.append(error)
+
+    loader = threading.Thread(target=load, name="pagedllm-load")
+    loader.start()
+    loader.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 _shared: dict[tuple, AsyncEngine] = {}

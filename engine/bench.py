@@ -254,20 +254,28 @@ def run(args: argparse.Namespace) -> int:
         kwargs["kv_cache_memory"] = BENCH_CPU_KV_BYTES
     engine = AsyncEngine(**kwargs)
     results: list[RunResult] = []
+    # pagedllm first, then transformers with the engine shut down: each system runs with no
+    # OpenMP pool of the other's alive (two pools on a small machine throttle each other).
     try:
-        hf_model = None if args.skip_hf else load_hf_model(engine)
         pad_id = engine.tokenizer.pad_token_id or engine.tokenizer.eos_token_id or 0
-        warm = make_workload("uniform", 2, engine.engine.vocab_size, seed=99)
+        vocab_size = engine.engine.vocab_size
+        workloads = [
+            make_workload(name, args.num_requests, vocab_size, args.seed)
+            for name in args.workloads.split(",")
+        ]
+        warm = make_workload("uniform", 2, vocab_size, seed=99)
         run_pagedllm(engine, Workload("warmup", warm.prompts, [4, 4]))
-        for name in args.workloads.split(","):
-            workload = make_workload(name, args.num_requests, engine.engine.vocab_size, args.seed)
+        for workload in workloads:
             results.append(run_pagedllm(engine, workload))
-            if hf_model is not None:
-                results.append(run_hf_static(hf_model, workload, args.hf_batch_size, pad_id))
-                results.append(run_hf_solo(hf_model, workload, args.hf_solo_sample, pad_id))
-            _print_table([r for r in results if r.workload == name])
     finally:
         engine.shutdown()
+    if not args.skip_hf:
+        hf_model = load_hf_model(engine)
+        for workload in workloads:
+            results.append(run_hf_static(hf_model, workload, args.hf_batch_size, pad_id))
+            results.append(run_hf_solo(hf_model, workload, args.hf_solo_sample, pad_id))
+    for workload in workloads:
+        _print_table([r for r in results if r.workload == workload.name])
     report = {
         "model": engine.model_name,
         "dtype": str(engine.engine.dtype),
