@@ -133,9 +133,8 @@ class _DecodeBucket:
     q_index: torch.Tensor  # [Br] int64, rows of q (and of out)
     block_ids: torch.Tensor  # [Br * nb] int64, each row's first nb blocks
     num_rows: int
-    mask: (
-        torch.Tensor | None
-    )  # [Br, 1, 1, nb * bs] additive (0 visible, -inf not); None: all visible
+    # [Br, 1, 1, nb * bs] additive: 0 where a key is visible, -inf where not; None: all visible
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
