@@ -234,7 +234,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
         "--hf-solo-sample",
         type=int,
         default=8,
-        help="requests timed one at a time (the rest extrapolated; the request count: all)",
+        help="requests timed one at a time, the rest extrapolated (= --num-requests: all)",
     )
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="time pagedllm only")
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs["disable_log_stats"] = True
     if kwargs["kv_cache_memory"] is None:
-        # The mixed workload holds ~42k tokens at its peak (1.9 GiB in float32 here): give the
+        # The mixed workload's 64 requests hold up to 46k tokens (2.0 GiB in float32): give the
         # engine room for all 64 requests, as a GPU engine gets 90% of its card (only used on
         # CPU; a GPU sizes its cache by gpu_memory_utilization).
         kwargs["kv_cache_memory"] = BENCH_CPU_KV_BYTES
