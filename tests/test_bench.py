@@ -39,7 +39,8 @@ def test_extrapolation_fits_prompt_and_output_costs():
 def test_bench_runs_against_transformers(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--workloads", "uniform", "--num-requests", "3", "--hf-solo-sample", "2"]
-    assert main([*args, "--hf-batch-size", "2", "--json", str(out)]) == 0
+    args += ["--hf-batch-size", "2", "--kv-cache-memory", str(256 * 2**20)]  # 3 requests fit
+    assert main([*args, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     systems = {r["system"]: r for r in report["results"]}
     assert set(systems) == {"pagedllm", "hf-static-2", "hf-solo"}
