@@ -39,7 +39,7 @@ def test_extrapolation_fits_prompt_and_output_costs():
 def test_bench_runs_against_transformers(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--workloads", "uniform", "--num-requests", "3", "--hf-solo-sample", "2"]
-    args += ["--hf-batch-size", "2", "--kv-cache-memory", str(256 * 2**20)]  # 3 requests fit
+    args += ["--hf-batch-size", "2", "--kv-cache-memory", str(512 * 2**20)]  # 8,192 tokens fit
     assert main([*args, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     systems = {r["system"]: r for r in report["results"]}
