@@ -178,10 +178,11 @@ class AsyncEngine:
         with self._lock:
             if self._stopped or self._dead:
                 raise EngineDeadError("the engine has been shut down or its thread died")
-            ids = [group.request_id for group in groups]
-            taken = [i for i in ids if i in self._streams] or [i for i in ids if ids.count(i) > 1]
-            if taken:
-                raise ValueError(f"request id {taken[0]!r} is already in flight")
+            seen: set[str] = set()  # a set: LLM.generate may hand over thousands at once
+            for group in groups:
+                if group.request_id in self._streams or group.request_id in seen:
+                    raise ValueError(f"request id {group.request_id!r} is already in flight")
+                seen.add(group.request_id)
             for stream in streams:
                 self._streams[stream.request_id] = stream
         self._send("add", groups)
