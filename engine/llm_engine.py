@@ -24,8 +24,9 @@ from .kv_cache_manager import KVCacheManager
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from .model_loader import iter_weights, load_tokenizer, read_config, resolve_model
 from .model_runner import ModelRunner, kv_bytes_per_block
+from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
-from .models.llama import LlamaConfig, LlamaForCausalLM
+from .models.registry import build_model
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
 from .outputs import Logprob, RequestOutput
 from .request import Request, RequestStatus
@@ -56,7 +57,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or source.name
         self.model_folder = source.folder
         hf_config = read_config(source.folder)
-        self.model_config = LlamaConfig.from_hf_dict(hf_config)
+        self.model_config = ModelConfig.from_hf_dict(hf_config)
         self.dtype = self._resolve_dtype(hf_config)
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
@@ -71,7 +72,7 @@ class LLMEngine:
             )  # fmt: skip
             self.model = self.tp.model  # rank 0's shard
         else:
-            self.model = LlamaForCausalLM(
+            self.model = build_model(
                 self.model_config,
                 self.dtype,
                 self.device,

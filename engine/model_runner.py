@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from .attention_metadata import AttentionMetadata
-from .models.llama import LlamaForCausalLM
+from .models.causal_lm import CausalLM
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
@@ -36,7 +36,7 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         device: torch.device,

@@ -30,8 +30,9 @@ import torch.multiprocessing as mp
 
 from ..config import EngineConfig
 from ..model_runner import ModelRunner
+from ..models.causal_lm import CausalLM
+from ..models.config import ModelConfig
 from ..models.layers import LinearFactory
-from ..models.llama import LlamaConfig, LlamaForCausalLM
 from ..scheduler import SchedulerOutput
 from .tp_layers import check_tensor_parallel
 from .tp_worker import (
@@ -61,7 +62,7 @@ class TPModelRunner(ModelRunner):
     """A ModelRunner whose model is rank 0's shard; `execute` drives every rank each step."""
 
     def __init__(self) -> None:  # use TPModelRunner.launch
-        self.model: LlamaForCausalLM
+        self.model: CausalLM
         self.world = 1
         self.dist_backend = "gloo"
         self.backend = "auto"  # the attention backend, as ModelRunner names it
@@ -81,7 +82,7 @@ class TPModelRunner(ModelRunner):
         config: EngineConfig,
         folder: str,
         hf_config: dict,
-        model_config: LlamaConfig,
+        model_config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,

@@ -1,4 +1,5 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embeddings, stacked linears.
+"""Building blocks shared by every model family: RMSNorm, stacked linears, the gated MLP,
+rotary embeddings (default, linear, dynamic, llama3, longrope; full or partial).
 
 The numerics follow Hugging Face transformers step for step (RMSNorm in float32, cos/sin
 cast to the activation dtype) so that greedy outputs match it token for token.
@@ -15,15 +16,33 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+    """RMSNorm over the last dim.
+
+    unit_offset=False (Llama, Qwen, Phi): normalize in float32, cast, multiply by w.
+    unit_offset=True (Gemma): the checkpoint stores w - 1; multiply by (1 + w) in float32,
+    then cast (the order matters for bf16: it is how transformers computes each family).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        unit_offset: bool = False,
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        initial = torch.zeros if unit_offset else torch.ones
+        self.weight = nn.Parameter(initial(hidden_size, dtype=dtype, device=device))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * x32.to(input_dtype)
 
 
@@ -79,6 +98,31 @@ class StackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+# Where a linear's checkpoint tensors hold its output features: dense weight [N, K] and
+# bias [N] along dim 0; AWQ qweight/qzeros [K/G or K, N/8] along dim 1 in units of 8
+# columns, scales [K/G, N] along dim 1.
+_OUTPUT_DIM_AND_UNIT = {"weight": (0, 1), "bias": (0, 1), "qweight": (1, 8), "qzeros": (1, 8)}
+
+
+def split_fused(suffix: str, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Cut a checkpoint tensor of several fused linears (Phi-3's qkv_proj [q|k|v] and
+    gate_up_proj [gate|up]) into one piece per linear, along its output features.
+
+    `sizes` may be proportional (a tensor-parallel rank's share of each): the pieces keep
+    those proportions of the full tensor.
+    """
+    dim, unit = _OUTPUT_DIM_AND_UNIT.get(suffix, (1, 1))  # AWQ scales: dim 1, per column
+    total = tensor.shape[dim] * unit
+    if total % sum(sizes):
+        raise ValueError(
+            f"fused '{suffix}' of shape {tuple(tensor.shape)} cannot be split as {sizes}"
+        )
+    widths = [size * (total // sum(sizes)) for size in sizes]
+    if any(width % unit for width in widths):
+        raise ValueError(f"fused '{suffix}': pieces {widths} are not whole units of {unit}")
+    return list(tensor.split([width // unit for width in widths], dim=dim))
+
+
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
@@ -110,15 +154,67 @@ def dense_linear(
     return StackedLinear(in_features, output_sizes, bias, dtype, device)
 
 
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up stacked in one matmul.
+
+    act: silu (SwiGLU: Llama, Qwen, Phi) or gelu_pytorch_tanh (GeGLU: Gemma). `prefix` names
+    the checkpoint module (model.layers.3.mlp, or model.layers.3.mlp.experts.7 for an expert).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        act: str,
+        prefix: str,
+        make_linear: LinearFactory,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"MLP activation {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        self.intermediate = intermediate_size
+        self.act = _ACTIVATIONS[act]
+        self.gate_up_proj = make_linear(
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias,
+            [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+            dtype,
+            device,
+        )
+        self.down_proj = make_linear(
+            intermediate_size, [hidden_size], bias, [f"{prefix}.down_proj"], dtype, device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
+
+
 # ------------------------------------------------------------------ rotary
 def rope_inv_freq(
     head_dim: int, rope_theta: float, scaling: dict[str, Any] | None, max_model_len: int
 ) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (float32) of a rope config.
+    """Inverse frequencies [head_dim/2] (float32) of a rope config; `head_dim` is the rotated
+    part of a head (all of it unless the family rotates only a share).
 
-    Supported `rope_type`s: default, linear, dynamic (NTK), llama3. `dynamic` is computed
-    once for `max_model_len` (as vLLM does): identical to transformers while sequences stay
-    within the original context, consistent across positions beyond it.
+    Supported `rope_type`s: default, linear, dynamic (NTK), llama3, longrope (alias su).
+    `dynamic` is computed once for `max_model_len` (as vLLM does): identical to transformers
+    while sequences stay within the original context, consistent across positions beyond it.
+    `longrope` (Phi-3, Phi-4-mini) picks its short factors when max_model_len fits in the
+    original context and its long ones otherwise, for every position: transformers switches
+    a sequence to the long factors once it outgrows the original context (and recomputes it
+    then); a paged cache cannot re-rotate what it holds, so one choice per engine it is.
     """
     base = float(rope_theta)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -129,9 +225,17 @@ def rope_inv_freq(
             base = base * ((factor * max_model_len / original) - (factor - 1)) ** (
                 head_dim / (head_dim - 2)
             )
-    inv_freq = 1.0 / (
-        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
-    )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    if rope_type in ("longrope", "su") and scaling is not None:
+        original = int(scaling["original_max_position_embeddings"])
+        chosen = scaling["long_factor"] if max_model_len > original else scaling["short_factor"]
+        ext = torch.tensor(chosen, dtype=torch.float32)
+        if ext.shape[0] != head_dim // 2:
+            raise ValueError(
+                f"longrope factors have {ext.shape[0]} entries, the rotary dim needs {head_dim // 2}"
+            )
+        return 1.0 / (ext * base**exponents)
+    inv_freq = 1.0 / (base**exponents)
     if rope_type in ("default", "dynamic"):
         pass
     elif rope_type == "linear" and scaling is not None:
@@ -140,9 +244,24 @@ def rope_inv_freq(
         inv_freq = _llama3_scale(inv_freq, scaling)
     else:
         raise ValueError(
-            f"rope scaling type {rope_type!r} is not supported (default, linear, dynamic, llama3)"
+            f"rope scaling type {rope_type!r} is not supported "
+            "(default, linear, dynamic, llama3, longrope)"
         )
     return inv_freq
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: 1, except for longrope, whose scaled context
+    sharpens attention by sqrt(1 + ln(factor) / ln(original context))."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if scaling is None or rope_type not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling.get("factor") or 1.0)
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -162,7 +281,11 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half), cos/sin cached for every position."""
+    """Neox-style rotary embedding (rotate_half), cos/sin cached for every position.
+
+    With rotary_dim < head_dim (partial rotary, Phi-4-mini) only the first rotary_dim
+    features of each head turn; the rest pass through.
+    """
 
     def __init__(
         self,
@@ -172,14 +295,19 @@ class RotaryEmbedding(nn.Module):
         scaling: dict[str, Any] | None,
         dtype: torch.dtype,
         device: torch.device,
+        rotary_dim: int | None = None,
     ):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, rope_theta, scaling, max_positions)
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = rope_inv_freq(self.rotary_dim, rope_theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos().to(dtype).to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype).to(device), persistent=False)
+        freqs = torch.outer(positions, inv_freq)  # [P, rotary_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rotary_dim]
+        factor = rope_attention_factor(scaling)
+        cos, sin = emb.cos() * factor, emb.sin() * factor
+        self.register_buffer("cos", cos.to(dtype).to(device), persistent=False)
+        self.register_buffer("sin", sin.to(dtype).to(device), persistent=False)
         # Every layer of one forward pass gets the same positions tensor: look its cos/sin
         # rows up once per pass, not once per layer.
         self._positions: torch.Tensor | None = None
@@ -192,8 +320,19 @@ class RotaryEmbedding(nn.Module):
         if positions is not self._positions or self._cos_sin is None:
             self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             self._positions = positions
-        cos, sin = self._cos_sin  # [T, 1, D] each
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self._cos_sin  # [T, 1, rotary_dim] each
+        if self.rotary_dim == self.head_dim:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate_part(q, cos, sin, self.rotary_dim), _rotate_part(
+            k, cos, sin, self.rotary_dim
+        )
+
+
+def _rotate_part(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    turned, kept = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
