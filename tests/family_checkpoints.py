@@ -118,6 +118,7 @@ def _family_config(kind: str, vocab: int, ids: dict[str, Any], **overrides: Any)
             hidden_activation="gelu_pytorch_tanh",
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             num_hidden_layers=3,
+            tie_word_embeddings=True,  # as every Gemma (llama.cpp's gemma2 has no output tensor)
         )
         settings.update(overrides)
         cfg = tf.Gemma2Config(**_common(vocab, **ids, **settings))
@@ -198,3 +199,52 @@ def make_family_checkpoint(
 
 def read_config(folder: Path) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
+
+
+# ------------------------------------------------------------------ comparing with transformers
+MAX_NEW = 12
+
+
+def hf_greedy(folder, prompts: list[str], max_new: int = MAX_NEW) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, alone, cut after the first eos."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    results = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new = out[0, ids.shape[1] :].tolist()
+        results.append(new[: new.index(eos) + 1] if eos in new else new)
+    return results
+
+
+def assert_engine_matches(
+    folder, prompts: list[str], expected: list[list[int]], expect_hits=True, **engine_args
+):
+    """The engine's greedy tokens equal `expected`: the prompts batched, then each alone (over
+    prefix-cache hits), with chunked prefill forced by a 16-token step budget."""
+    from pagedllm_integrations import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    settings = dict(dtype="float32", disable_log_stats=True, max_num_batched_tokens=16)
+    settings.update(engine_args)
+    with LLM(str(folder), **settings) as llm:
+        engine = llm.engine.engine
+        assert engine.config.enable_prefix_caching and engine.config.enable_chunked_prefill
+        batched = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in batched] == expected
+        for prompt, want in zip(prompts, expected):  # alone, now over prefix-cache hits
+            alone = llm.generate(prompt, params, use_tqdm=False)[0]
+            assert alone.outputs[0].token_ids == want, prompt
+        if expect_hits:  # the long prompt fills whole 16-token blocks, found again alone
+            assert engine.counters.snapshot()["prefix_cache_hits"] > 0

@@ -12,10 +12,14 @@ import json
 
 import pytest
 import torch
-from family_checkpoints import FAMILIES, make_family_checkpoint
+from family_checkpoints import (
+    FAMILIES,
+    assert_engine_matches,
+    hf_greedy,
+    make_family_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 
-from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.engine.models.config import ModelConfig
 
 PROMPTS = [
@@ -26,7 +30,6 @@ PROMPTS = [
     '{"name": "get_weather", "arguments": {"city":',
     "def fibonacci(n):",
 ]
-MAX_NEW = 12
 
 
 @pytest.fixture(scope="session")
@@ -40,47 +43,6 @@ def family_dir(tmp_path_factory):
         return made[kind]
 
     return get
-
-
-def hf_greedy(folder, prompts: list[str], max_new: int = MAX_NEW) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, alone, cut after the first eos."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    results = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        new = out[0, ids.shape[1] :].tolist()
-        results.append(new[: new.index(eos) + 1] if eos in new else new)
-    return results
-
-
-def assert_engine_matches(
-    folder, prompts: list[str], expected: list[list[int]], expect_hits=True, **engine_args
-):
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
-    settings = dict(dtype="float32", disable_log_stats=True, max_num_batched_tokens=16)
-    settings.update(engine_args)
-    with LLM(str(folder), **settings) as llm:
-        engine = llm.engine.engine
-        assert engine.config.enable_prefix_caching and engine.config.enable_chunked_prefill
-        batched = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in batched] == expected
-        for prompt, want in zip(prompts, expected):  # alone, now over prefix-cache hits
-            alone = llm.generate(prompt, params, use_tqdm=False)[0]
-            assert alone.outputs[0].token_ids == want, prompt
-        if expect_hits:  # the long prompt fills whole 16-token blocks, found again alone
-            assert engine.counters.snapshot()["prefix_cache_hits"] > 0
 
 
 @pytest.mark.parametrize("kind", [k for k in FAMILIES if k != "phi4_mini"])
