@@ -114,3 +114,48 @@ def test_tp_size_that_does_not_divide_the_experts_is_refused(tmp_path):
     with pytest.raises(ValueError, match="must divide moe_intermediate_size 33"):
         LLM(str(folder), tensor_parallel_size=2, **ENGINE_ARGS)
     assert shard_config(cfg, 1).moe_intermediate_size == 33
+
+
+def test_quantizer_calibrates_qwen3_and_refuses_gemma(tmp_path):
+    """`pagedllm quantize` folds scales into Llama-shaped blocks: Qwen3 is one (its q/k norms
+    act after the projections); Gemma's sandwich norms are not, so it is refused by name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm_integrations.quant.cli import (
+        DEFAULT_CALIBRATION,
+        quantize_checkpoint,
+        read_calibration_text,
+    )
+    from pagedllm_integrations.quant.quantizer import (
+        QuantizeOptions,
+        awq_quantize_model,
+        calibration_blocks,
+        save_awq_checkpoint,
+    )
+
+    gemma = make_family_checkpoint(tmp_path / "gemma", "gemma2", shards=1)
+    with pytest.raises(ValueError, match="not Gemma2ForCausalLM"):
+        quantize_checkpoint(str(gemma), tmp_path / "gemma-awq")
+
+    folder = make_family_checkpoint(tmp_path / "qwen3", "qwen3", shards=1)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    options = QuantizeOptions(group_size=GROUP, num_samples=8, seq_len=64, progress=False)
+    texts = read_calibration_text(DEFAULT_CALIBRATION)
+    blocks = calibration_blocks(tokenizer, texts, options.num_samples, options.seq_len)
+    quantized, _ = awq_quantize_model(model, blocks, options)
+    out = save_awq_checkpoint(
+        model, quantized, tmp_path / "awq", AWQConfig(group_size=GROUP), folder, tokenizer
+    )
+    expected = []  # the quantized model in memory holds exactly the checkpoint's weights
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            generated = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+        new = generated[0, ids.shape[1] :].tolist()
+        eos = model.generation_config.eos_token_id
+        expected.append(new[: new.index(eos) + 1] if eos in new else new)
+    assert_engine_matches(out, PROMPTS, expected, expect_hits=False, max_model_len=128)
