@@ -49,6 +49,10 @@ class IncrementalDetokenizer:
             clean_up_tokenization_spaces=False,
         )
 
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, as logprobs show it."""
+        return self.tokenizer.decode([token_id])
+
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string matched, if any (text is then cut)."""
         self.token_ids.append(token_id)

@@ -20,15 +20,15 @@ import torch
 
 from .config import EngineConfig, GiB
 from .detokenizer import IncrementalDetokenizer
+from .executor import build_executor
 from .kv_cache_manager import KVCacheManager
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
-from .model_loader import iter_weights, load_tokenizer, read_config, resolve_model
-from .model_runner import ModelRunner, kv_bytes_per_block
+from .model_loader import load_tokenizer, read_config, resolve_model
+from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
-from .models.registry import build_model
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
-from .outputs import Logprob, RequestOutput
+from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -62,25 +62,17 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
         self.eos_token_ids = self._eos_token_ids(source.folder)
-        self.tp = None  # the tensor-parallel runner (rank 0 here, ranks 1..k-1 spawned)
-        if config.tensor_parallel_size > 1:
-            from .distributed.tp_runner import TPModelRunner
-
-            self.tp = TPModelRunner.launch(
-                config, str(source.folder), hf_config, self.model_config, self.dtype,
-                self.device, self.max_model_len, self._linear_factory(hf_config, source.folder),
-            )  # fmt: skip
-            self.model = self.tp.model  # rank 0's shard
-        else:
-            self.model = build_model(
-                self.model_config,
-                self.dtype,
-                self.device,
-                self.max_model_len,
-                make_linear=self._linear_factory(hf_config, source.folder),
-            )
-            self.model.load_weights(iter_weights(source.folder))
-            self.model.eval()
+        self.executor = build_executor(
+            config,
+            source.folder,
+            hf_config,
+            self.model_config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self._linear_factory(hf_config, source.folder),
+        )
+        self.model = self.executor.model  # this process's model (rank 0's shard under TP)
         self.vocab_size = self.model_config.vocab_size
 
         block_size = config.block_size
@@ -111,19 +103,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             num_swap_blocks=num_swap_blocks,
         )
-        if self.tp is not None:
-            self.runner = self.tp.allocate(
-                self.num_blocks, block_size, config.attention_backend, num_swap_blocks
-            )
-        else:
-            self.runner = ModelRunner(
-                self.model,
-                self.num_blocks,
-                block_size,
-                self.device,
-                attention_backend=config.attention_backend,
-                num_swap_blocks=num_swap_blocks,
-            )
+        self.executor.allocate(self.num_blocks, block_size, num_swap_blocks)
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
         self.groups: dict[str, RequestGroup] = {}
         self.counters = EngineCounters()
@@ -201,15 +181,9 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.model, block_size, self.dtype)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
-        elif self.device.type == "cuda" and self.tp is not None:
-            num_blocks = self.tp.profile_num_blocks(
-                per_block,
-                min(self.max_num_batched_tokens, self.max_model_len),
-                self.config.block_size,
-                self.config.gpu_memory_utilization,
-            )
         elif self.device.type == "cuda":
-            num_blocks = self._profile_gpu_blocks(per_block)
+            tokens = min(self.max_num_batched_tokens, self.max_model_len)
+            num_blocks = self.executor.profile_num_blocks(per_block, tokens, block_size)
         else:
             budget = self.config.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
             num_blocks = budget // per_block
@@ -221,37 +195,6 @@ class LLMEngine:
                 "kv_cache_memory / gpu_memory_utilization or lower max_model_len"
             )
         return int(num_blocks)
-
-    def _profile_gpu_blocks(self, per_block: int) -> int:
-        """Blocks that fit in gpu_memory_utilization after a warm-up forward at full batch."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        tokens = min(self.max_num_batched_tokens, self.max_model_len)
-        warmup_blocks = -(-tokens // self.config.block_size)
-        runner = ModelRunner(self.model, warmup_blocks, self.config.block_size, self.device)
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(tokens, device=self.device)
-        from .attention_metadata import AttentionMetadata
-
-        block_table = torch.arange(warmup_blocks, dtype=torch.int32, device=self.device)[None]
-        meta = AttentionMetadata(
-            slot_mapping=positions.clone(),
-            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
-            block_tables=block_table,
-            max_seqlen_q=tokens,
-            max_seqlen_k=tokens,
-            backend=self.config.attention_backend,
-        )
-        hidden = self.model(ids, positions, runner.kv_caches, meta)
-        self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs) :])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del runner, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        available = total * self.config.gpu_memory_utilization - peak
-        return max(int(available // per_block), 0)
 
     # ------------------------------------------------------------------ inputs
     def process_inputs(
@@ -397,13 +340,13 @@ class LLMEngine:
         return outputs
 
     def _run(self, out: SchedulerOutput, iteration: IterationStats, touched: dict) -> None:
+        """execute -> sample -> update, for one scheduled step."""
         block_ids = [
             self.kv_manager.get_block_ids(item.request.request_id) for item in out.scheduled
         ]
         try:
-            logits, sampled_rows = self.runner.execute(out, block_ids)
-            sampled_requests = [out.scheduled[i].request for i in sampled_rows]
-            sampled = self.sampler(logits, sampled_requests)
+            logits, sampled_rows = self.executor.execute(out, block_ids)
+            sampled = self.sampler(logits, [out.scheduled[i].request for i in sampled_rows])
         except Exception as error:  # the whole step failed: fail its requests, keep serving
             logger.exception(
                 "engine step failed; failing the %d requests in it", len(out.scheduled)
@@ -411,59 +354,18 @@ class LLMEngine:
             for item in out.scheduled:
                 self._fail(item.request, f"{type(error).__name__}: {error}", touched, uncache=True)
             return
-        tokens: list[int | None] = [None] * len(out.scheduled)
-        logprobs: list = [None] * len(out.scheduled)
+        tokens: list[list[int]] = [[] for _ in out.scheduled]
+        logprobs: list[list] = [[] for _ in out.scheduled]
         for row, index in enumerate(sampled_rows):
-            tokens[index] = sampled.token_ids[row]
-            logprobs[index] = sampled.logprobs[row]
-        lp_of = {id(out.scheduled[i].request): logprobs[i] for i in sampled_rows}
-        for request in self.scheduler.update_from_output(out, tokens):
-            try:
-                self._process_token(request, lp_of[id(request)], iteration)
-            except Exception as error:  # a fault in one request ends that request only
-                logger.exception("request %s failed", request.request_id)
-                self._fail(request, f"{type(error).__name__}: {error}", touched)
+            tokens[index] = [sampled.token_ids[row]]
+            logprobs[index] = [sampled.logprobs[row]]
+        update = self.scheduler.update_from_output(out, tokens, logprobs, iteration)
+        for request, message in update.failed:
+            self._fail(request, message, touched)
+        for request in update.changed:
             group = self.groups.get(request.parent_id or request.request_id)
             if group is not None:
                 touched[group.request_id] = group
-
-    def _process_token(self, request: Request, logprob_info, iteration: IterationStats) -> None:
-        now = time.monotonic()
-        token = request.output_token_ids[-1]
-        if request.first_token_time is None:
-            request.first_token_time = now
-            iteration.time_to_first_tokens.append(now - request.arrival_time)
-            iteration.num_prompt_tokens += request.num_prompt_tokens
-        else:
-            iteration.inter_token_latencies.append(now - (request.last_token_time or now))
-        request.last_token_time = now
-        iteration.num_generation_tokens += 1
-        if logprob_info is not None and request.logprobs is not None:
-            chosen, rank, top_ids, top_values = logprob_info
-            entry = {token: Logprob(chosen, rank, self._token_text(token))}
-            for r, (tid, value) in enumerate(zip(top_ids, top_values), start=1):
-                entry.setdefault(tid, Logprob(value, r, self._token_text(tid)))
-            request.logprobs.append(entry)
-            request.cumulative_logprob += chosen
-        status = None
-        if request.structured is not None:
-            if not request.structured.accept_token(token):
-                raise RuntimeError(f"token {token} was rejected by the request's grammar")
-            if request.structured.is_terminated():
-                status = RequestStatus.FINISHED_STOPPED
-        assert request.detokenizer is not None
-        stop = request.detokenizer.add_token(token)
-        if stop is not None and request.num_output_tokens >= request.sampling_params.min_tokens:
-            request.stop_reason = stop
-            status = RequestStatus.FINISHED_STOPPED
-        status = status or self.scheduler.check_stop(request)
-        if status is not None:
-            if stop is None:
-                request.detokenizer.flush()
-            self.scheduler.finish_request(request, status)
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
     def _fail(self, request: Request, message: str, touched: dict, uncache: bool = False) -> None:
         request.error = message
@@ -507,8 +409,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release what outlives the object: the tensor-parallel ranks, if any."""
-        if self.tp is not None:
-            self.tp.shutdown()
+        self.executor.shutdown()
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs

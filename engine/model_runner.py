@@ -27,6 +27,46 @@ from .scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+def profile_kv_blocks(
+    model: CausalLM,
+    device: torch.device,
+    tokens: int,
+    block_size: int,
+    backend: str,
+    per_block: int,
+    gpu_memory_utilization: float,
+    num_logit_rows: int = 1,
+) -> int:
+    """KV blocks that fit on this GPU after a warm-up forward of `tokens` tokens.
+
+    Under tensor parallelism every rank runs it together (the forward all-reduces) and
+    the caller takes the minimum over ranks.
+    """
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    warmup_blocks = -(-tokens // block_size)
+    runner = ModelRunner(model, warmup_blocks, block_size, device, attention_backend=backend)
+    positions = torch.arange(tokens, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=positions.clone(),
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(warmup_blocks, dtype=torch.int32, device=device)[None],
+        max_seqlen_q=tokens,
+        max_seqlen_k=tokens,
+        backend=backend,
+    )
+    with torch.inference_mode():
+        ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        runner.forward(ids, positions, meta, positions[-num_logit_rows:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del runner
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(int((total * gpu_memory_utilization - peak) // per_block), 0)
+
+
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
     element = torch.tensor([], dtype=dtype).element_size()
@@ -127,20 +167,37 @@ class ModelRunner:
         self, out: SchedulerOutput, block_ids: list[list[int]]
     ) -> tuple[torch.Tensor, list[int]]:
         """Run one step; returns logits [N, vocab] (float32) and the rows they belong to."""
-        self._swap(out)
+        self.swap(out.swap_out, out.swap_in)
         input_ids, positions, meta, logits_indices, sampled_rows = self.prepare(out, block_ids)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[logits_indices])
-        return logits, sampled_rows
+        return self.forward(input_ids, positions, meta, logits_indices), sampled_rows
 
-    def _swap(self, out: SchedulerOutput) -> None:
-        """Copy preempted requests' blocks to host memory, and resumed ones back."""
-        for block_ids, slots in out.swap_out:
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None,  # [N] rows of the flat batch that sample
+    ) -> torch.Tensor:
+        """The model over one flat batch: logits [N, vocab] float32 (None: no logits, [0, V])."""
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if logits_indices is None:
+            return hidden[:0]
+        return self.model.compute_logits(hidden[logits_indices])
+
+    def swap(
+        self,
+        swap_out: list[tuple[list[int], list[int]]],
+        swap_in: list[tuple[list[int], list[int]]],
+    ) -> None:
+        """Copy preempted requests' blocks to host memory, and resumed ones back.
+
+        Each entry is (block ids in the device cache, slots in the host swap space)."""
+        for block_ids, slots in swap_out:
             device_idx = torch.tensor(block_ids, device=self.device)
             for (k, v), (hk, hv) in zip(self.kv_caches, self.swap_space):
                 hk[slots] = k[device_idx].to("cpu")
                 hv[slots] = v[device_idx].to("cpu")
-        for block_ids, slots in out.swap_in:
+        for block_ids, slots in swap_in:
             device_idx = torch.tensor(block_ids, device=self.device)
             for (k, v), (hk, hv) in zip(self.kv_caches, self.swap_space):
                 k[device_idx] = hk[slots].to(self.device)

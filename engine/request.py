@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
     from .detokenizer import IncrementalDetokenizer
 
+# What the sampler reports per sampled token when logprobs are asked for:
+# (the token's logprob, its rank, the top-k ids, the top-k logprobs).
+LogprobInfo = tuple[float, int, list[int], list[float]]
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -111,8 +115,26 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def record_logprobs(self, token_id: int, info: LogprobInfo) -> None:
+        """Keep the logprobs of the token just appended: {token id: Logprob} for it and the
+        top-k, each with its text."""
+        from .outputs import Logprob
+
+        assert self.logprobs is not None
+        chosen, rank, top_ids, top_values = info
+        text = self.detokenizer.token_text if self.detokenizer is not None else _no_text
+        entry = {token_id: Logprob(chosen, rank, text(token_id))}
+        for top_rank, (top_id, value) in enumerate(zip(top_ids, top_values), start=1):
+            entry.setdefault(top_id, Logprob(value, top_rank, text(top_id)))
+        self.logprobs.append(entry)
+        self.cumulative_logprob += chosen
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}"
             f"/{self.num_tokens}, out={self.num_output_tokens})"
         )
+
+
+def _no_text(token_id: int) -> None:
+    return None

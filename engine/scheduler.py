@@ -11,12 +11,16 @@ free blocks allow. When blocks run out the lowest-ranked running request is pree
 from __future__ import annotations
 
 import bisect
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, cdiv
-from .request import Request, RequestStatus
+from .metrics import IterationStats
+from .request import LogprobInfo, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class SchedulingPolicy:
@@ -76,6 +80,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What committing a step changed."""
+
+    changed: list[Request] = field(default_factory=list)  # got tokens (or failed) this step
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # (request, why)
 
 
 class Scheduler:
@@ -230,20 +242,84 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: Iterable[int | None]
-    ) -> list[Request]:
-        """Advance computed counts and append sampled tokens; returns requests that got one."""
-        got_token = []
-        for item, token_id in zip(out.scheduled, sampled_token_ids):
+        self,
+        out: SchedulerOutput,
+        sampled: Sequence[Sequence[int]],
+        logprobs: Sequence[Sequence[LogprobInfo | None]] | None = None,
+        iteration: IterationStats | None = None,
+    ) -> StepUpdate:
+        """Commit a step: advance computed counts, then append each request's new tokens
+        one by one, checking every stop condition after each, and finish what stopped.
+
+        sampled[i] are the tokens of out.scheduled[i] in order (empty when the step only
+        computed part of its prompt); logprobs[i] has one entry per token, when given.
+        A token that cannot be committed (its grammar rejects it) fails that request only.
+        """
+        update = StepUpdate()
+        now = time.monotonic()
+        for index, (item, tokens) in enumerate(zip(out.scheduled, sampled)):
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_tokens
-            if token_id is None:
+            if not tokens:
                 continue
-            request.append_output_token(token_id)
-            got_token.append(request)
-        return got_token
+            infos = logprobs[index] if logprobs is not None else None
+            try:
+                for position, token in enumerate(tokens):
+                    info = infos[position] if infos is not None else None
+                    if self._commit_token(request, token, info, now, iteration):
+                        break
+            except Exception as error:  # one request's fault ends that request only
+                logger.exception("request %s failed", request.request_id)
+                update.failed.append((request, f"{type(error).__name__}: {error}"))
+            update.changed.append(request)
+        return update
+
+    def _commit_token(
+        self,
+        request: Request,
+        token: int,
+        info: LogprobInfo | None,
+        now: float,
+        iteration: IterationStats | None,
+    ) -> bool:
+        """Append one token and apply every stop condition; True when the request ended."""
+        request.append_output_token(token)
+        if iteration is not None:
+            if request.first_token_time is None:
+                iteration.time_to_first_tokens.append(now - request.arrival_time)
+                iteration.num_prompt_tokens += request.num_prompt_tokens
+            else:
+                iteration.inter_token_latencies.append(now - (request.last_token_time or now))
+            iteration.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        if info is not None and request.logprobs is not None:
+            request.record_logprobs(token, info)
+        status = None
+        if request.structured is not None:
+            if not request.structured.accept_token(token):
+                raise RuntimeError(f"token {token} was rejected by the request's grammar")
+            if request.structured.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED
+        stop_string = None
+        if request.detokenizer is not None:
+            stop_string = request.detokenizer.add_token(token)
+            if stop_string is not None:
+                if request.num_output_tokens >= request.sampling_params.min_tokens:
+                    request.stop_reason = stop_string
+                    status = RequestStatus.FINISHED_STOPPED
+                else:
+                    stop_string = None
+        status = status or self.check_stop(request)
+        if status is None:
+            return False
+        if stop_string is None and request.detokenizer is not None:
+            request.detokenizer.flush()
+        self.finish_request(request, status)
+        return True
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """Stop conditions that need only token ids (stop strings are the detokenizer's)."""

@@ -99,7 +99,7 @@ def test_tp2_matches_one_rank(kind, tmp_path):
     with LLM(
         str(folder), tensor_parallel_size=2, max_model_len=max_model_len, **ENGINE_ARGS
     ) as llm:
-        assert llm.engine.engine.runner.kv_caches[0][0].shape[2] == 1  # 2 KV heads / 2 ranks
+        assert llm.engine.engine.executor.kv_caches[0][0].shape[2] == 1  # 2 KV heads / 2 ranks
         outputs = _greedy(llm, prompts)
     for tp, ref in zip(outputs, reference):
         assert tp.token_ids == ref.token_ids

@@ -29,11 +29,9 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int =
 def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     """Pretend to run the model: every request whose prompt is done gets `token`."""
     out = scheduler.schedule()
-    tokens = [token if item.completes_prompt else None for item in out.scheduled]
-    for request in scheduler.update_from_output(out, tokens):
-        status = scheduler.check_stop(request)
-        if status is not None:
-            scheduler.finish_request(request, status)
+    tokens = [[token] if item.completes_prompt else [] for item in out.scheduled]
+    update = scheduler.update_from_output(out, tokens)
+    assert not update.failed
     return out
 
 

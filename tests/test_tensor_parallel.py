@@ -90,7 +90,7 @@ def test_tp2_tiny_gqa_with_biases_matches_one_rank(tiny_llama_factory):
     with LLM(str(folder), **ENGINE_ARGS) as llm:
         reference = _greedy(llm)
     with LLM(str(folder), tensor_parallel_size=2, **ENGINE_ARGS) as llm:
-        runner = llm.engine.engine.runner
+        runner = llm.engine.engine.executor
         assert len(runner.worker_pids) == 1
         # Each rank's cache holds only its heads: [blocks, block_size, Hkv/2, D].
         assert runner.kv_caches[0][0].shape == (96, 16, 1, 16)
@@ -106,7 +106,7 @@ def test_tp3_default_model_matches_one_rank(default_llm):
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
     reference = [o.outputs[0] for o in default_llm.generate(PROMPTS, params, use_tqdm=False)]
     with LLM(tensor_parallel_size=3, **ENGINE_ARGS) as llm:
-        assert llm.engine.engine.runner.kv_caches[0][0].shape[2] == 1  # 3 KV heads / 3 ranks
+        assert llm.engine.engine.executor.kv_caches[0][0].shape[2] == 1  # 3 KV heads / 3 ranks
         outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     _assert_same(outputs, reference, atol=2e-4)
 
@@ -135,7 +135,7 @@ def test_killed_rank_fails_requests_and_stops_the_other_ranks(tiny_llama_factory
     folder = tiny_llama_factory("tp-crash", hidden_size=96, num_heads=6, num_kv_heads=3)
     engine = AsyncEngine(EngineConfig(model=str(folder), tensor_parallel_size=3, **ENGINE_ARGS))
     try:
-        runner = engine.engine.runner
+        runner = engine.engine.executor
         pids = runner.worker_pids
         assert len(pids) == 2
         stream = engine.add_request(
@@ -165,7 +165,7 @@ def test_ranks_exit_when_the_driver_is_killed(tiny_llama_dir, tmp_path):
             from pagedllm_integrations import LLM
             if __name__ == "__main__":
                 llm = LLM({str(tiny_llama_dir)!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
-                print(*llm.engine.engine.runner.worker_pids, flush=True)
+                print(*llm.engine.engine.executor.worker_pids, flush=True)
                 time.sleep(120)
             """
         )

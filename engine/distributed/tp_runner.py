@@ -1,8 +1,8 @@
 """The driver side of tensor parallelism: rank 0 in the engine's process, ranks 1..k-1 spawned.
 
     LLMEngine (scheduler, KV cache manager, sampler)        driver process = rank 0
-      TPModelRunner.execute(out, block_ids)
-        prepare() -> flat batch
+      TensorParallelExecutor.execute(out, block_ids)
+        ModelRunner.prepare() -> flat batch
         broadcast_object_list(header) + broadcast(packed)  ---> ranks 1..k-1 (tp_worker._serve)
         forward on rank 0's shard   <-- all-reduce per attention and per MLP output -->
         lm_head on rank 0 only -> logits [N, vocab]
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import EngineConfig
-from ..model_runner import ModelRunner
+from ..model_runner import ModelRunner, profile_kv_blocks
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
 from ..models.layers import LinearFactory
@@ -41,7 +41,6 @@ from .tp_worker import (
     build_shard,
     min_over_ranks,
     pack_step,
-    profile_kv_blocks,
     rank_device,
     worker_main,
 )
@@ -58,17 +57,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class TPModelRunner(ModelRunner):
-    """A ModelRunner whose model is rank 0's shard; `execute` drives every rank each step."""
+class TensorParallelExecutor:
+    """The engine's executor under tensor parallelism (see engine/executor.py): rank 0's
+    shard and KV cache in a ModelRunner here; `execute` drives every rank each step."""
 
-    def __init__(self) -> None:  # use TPModelRunner.launch
+    def __init__(self) -> None:  # use TensorParallelExecutor.launch
         self.model: CausalLM
         self.world = 1
         self.dist_backend = "gloo"
-        self.backend = "auto"  # the attention backend, as ModelRunner names it
+        self.attention_backend = "auto"
+        self.gpu_memory_utilization = 0.9
         self.processes: list[mp.Process] = []
-        self.kv_caches = []
-        self.swap_space = []
+        self.runner: ModelRunner | None = None  # rank 0's KV cache, after allocate()
         self._dead: str | None = None
         self._closing = False
         self._group_up = False
@@ -87,7 +87,7 @@ class TPModelRunner(ModelRunner):
         device: torch.device,
         max_model_len: int,
         base_factory: LinearFactory,
-    ) -> TPModelRunner:
+    ) -> TensorParallelExecutor:
         """Start ranks 1..k-1, join them as rank 0, load every shard; raise if any fails."""
         global _last_launched
         world = config.tensor_parallel_size
@@ -113,6 +113,8 @@ class TPModelRunner(ModelRunner):
         )
         self = cls()
         self.world, self.dist_backend, self.device = world, backend, device
+        self.attention_backend = config.attention_backend
+        self.gpu_memory_utilization = config.gpu_memory_utilization
         threads = None
         if device.type == "cpu":  # k ranks share the cores: do not oversubscribe them
             threads = max(1, (os.cpu_count() or 1) // world)
@@ -192,46 +194,41 @@ class TPModelRunner(ModelRunner):
             box, src=0, device=self.device if self.dist_backend == "nccl" else None
         )
 
-    def allocate(
-        self,
-        num_blocks: int,
-        block_size: int,
-        attention_backend: str = "auto",
-        num_swap_blocks: int = 0,
-    ) -> TPModelRunner:
-        """Make every rank's KV cache and swap space (this rank's through ModelRunner)."""
+    def allocate(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+        """Make every rank's KV cache and swap space (this rank's in a ModelRunner)."""
         self._check_alive()
         header = dict(
             op="allocate",
             num_blocks=num_blocks,
             block_size=block_size,
-            backend=attention_backend,
+            backend=self.attention_backend,
             num_swap_blocks=num_swap_blocks,
         )
         self._guarded(lambda: self._broadcast_header(header))
-        ModelRunner.__init__(
-            self,
+        self.runner = ModelRunner(
             self.model,
             num_blocks,
             block_size,
             self.device,
-            attention_backend=attention_backend,
+            attention_backend=self.attention_backend,
             num_swap_blocks=num_swap_blocks,
         )
         self._allocated = True
-        return self
 
-    def profile_num_blocks(
-        self, per_block: int, tokens: int, block_size: int, gpu_memory_utilization: float
-    ) -> int:
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rank 0's share of the KV cache (its heads), per layer."""
+        return self.runner.kv_caches if self.runner is not None else []
+
+    def profile_num_blocks(self, per_block: int, tokens: int, block_size: int) -> int:
         """KV blocks per rank that fit on the fullest GPU after a warm-up forward (CUDA)."""
         self._check_alive()
         args = dict(
             tokens=tokens,
             block_size=block_size,
-            backend="auto",
+            backend=self.attention_backend,
             per_block=per_block,
-            gpu_memory_utilization=gpu_memory_utilization,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
 
         def run() -> int:
@@ -249,11 +246,13 @@ class TPModelRunner(ModelRunner):
     ) -> tuple[torch.Tensor, list[int]]:
         """Run one step on every rank; returns logits [N, vocab] (float32) and their rows."""
         self._check_alive()
-        input_ids, positions, meta, logits_indices, sampled_rows = self.prepare(out, block_ids)
+        runner = self.runner
+        assert runner is not None, "allocate() the KV cache before the first step"
+        input_ids, positions, meta, logits_indices, sampled_rows = runner.prepare(out, block_ids)
         fields, packed = pack_step(input_ids, positions, meta)
         header = dict(
             op="execute",
-            backend=self.backend,  # the attention backend (ModelRunner's name for it)
+            backend=self.attention_backend,
             swap_out=out.swap_out,
             swap_in=out.swap_in,
             **fields,
@@ -262,9 +261,8 @@ class TPModelRunner(ModelRunner):
         def run() -> torch.Tensor:
             self._broadcast_header(header)
             dist.broadcast(packed, src=0)
-            self._swap(out)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            return self.model.compute_logits(hidden[logits_indices])
+            runner.swap(out.swap_out, out.swap_in)
+            return runner.forward(input_ids, positions, meta, logits_indices)
 
         return self._guarded(run), sampled_rows
 

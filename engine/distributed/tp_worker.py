@@ -20,7 +20,6 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -128,53 +127,7 @@ def unpack_step(
     return parts[0], parts[1], meta
 
 
-def swap_ops(header: dict[str, Any]) -> SimpleNamespace:
-    """What ModelRunner._swap reads from a SchedulerOutput, rebuilt from the header."""
-    return SimpleNamespace(swap_out=header.get("swap_out", []), swap_in=header.get("swap_in", []))
-
-
 # ------------------------------------------------------------------ profiling
-def profile_kv_blocks(
-    model: CausalLM,
-    device: torch.device,
-    tokens: int,
-    block_size: int,
-    backend: str,
-    per_block: int,
-    gpu_memory_utilization: float,
-) -> int:
-    """KV blocks that fit on this rank's GPU after a warm-up forward of `tokens` tokens.
-
-    Every rank runs it together (the forward all-reduces); the caller takes the minimum.
-    """
-    from ..model_runner import ModelRunner
-
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    warmup_blocks = -(-tokens // block_size)
-    runner = ModelRunner(model, warmup_blocks, block_size, device)
-    ids = torch.zeros(tokens, dtype=torch.long, device=device)
-    positions = torch.arange(tokens, device=device)
-    table = torch.arange(warmup_blocks, dtype=torch.int32, device=device)[None]
-    meta = AttentionMetadata(
-        slot_mapping=positions.clone(),
-        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-        block_tables=table,
-        max_seqlen_q=tokens,
-        max_seqlen_k=tokens,
-        backend=backend,
-    )
-    hidden = model(ids, positions, runner.kv_caches, meta)
-    model.compute_logits(hidden[-1:])
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del runner, hidden
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    return max(int((total * gpu_memory_utilization - peak) // per_block), 0)
-
-
 def min_over_ranks(value: int, device: torch.device) -> int:
     cell = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(cell, op=dist.ReduceOp.MIN)
@@ -231,7 +184,7 @@ def worker_main(spec: RankSpec) -> None:
 
 @torch.inference_mode()
 def _serve(model: CausalLM, spec: RankSpec, device: torch.device) -> None:
-    from ..model_runner import ModelRunner
+    from ..model_runner import ModelRunner, profile_kv_blocks
 
     runner: ModelRunner | None = None
     object_device = device if spec.backend == "nccl" else None
@@ -244,9 +197,9 @@ def _serve(model: CausalLM, spec: RankSpec, device: torch.device) -> None:
             assert runner is not None, "execute before allocate"
             packed = torch.empty(packed_numel(header), dtype=torch.int64, device=device)
             dist.broadcast(packed, src=0)
-            runner._swap(swap_ops(header))
+            runner.swap(header.get("swap_out", []), header.get("swap_in", []))
             input_ids, positions, meta = unpack_step(packed, header, header["backend"])
-            model(input_ids, positions, runner.kv_caches, meta)
+            runner.forward(input_ids, positions, meta, logits_indices=None)
         elif op == "allocate":
             runner = ModelRunner(
                 model,

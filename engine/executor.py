@@ -1,0 +1,124 @@
+"""How a step's forward pass runs: one interface, chosen once at engine setup.
+
+    LLMEngine.step():  schedule -> Executor.execute(step, block_ids) -> sample -> update
+                                   |
+         LocalExecutor             this process's model and KV cache (eager torch)
+         TensorParallelExecutor    rank 0 here, ranks 1..k-1 spawned (distributed/tp_runner.py)
+
+Every executor is built in two stages, because the KV cache is sized after the weights are
+in memory (on GPU, from what a warm-up forward leaves free):
+
+    executor = build_executor(...)             weights loaded; executor.model is rank 0's
+    executor.allocate(num_blocks, block_size)  KV cache (and swap space) on every rank
+    executor.execute(step, block_ids)          -> logits [N, vocab] float32, sampled rows
+    executor.shutdown()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .config import EngineConfig
+from .model_loader import iter_weights
+from .model_runner import ModelRunner, profile_kv_blocks
+from .models.config import ModelConfig
+from .models.layers import LinearFactory
+from .models.registry import build_model
+from .scheduler import SchedulerOutput
+
+
+class Executor(Protocol):
+    """Runs the model over one scheduled step."""
+
+    model: nn.Module  # this process's model (a shard of it under tensor parallelism)
+
+    def profile_num_blocks(self, per_block: int, tokens: int, block_size: int) -> int:
+        """KV blocks that fit in GPU memory after a warm-up forward of `tokens` (CUDA only)."""
+        ...
+
+    def allocate(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+        """Make the KV cache (and host swap space) on every rank."""
+        ...
+
+    def execute(
+        self, step: SchedulerOutput, block_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run one step: logits [N, vocab] float32 and the indexes (into step.scheduled)
+        of the N requests they belong to."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what outlives the object (processes, process groups). Idempotent."""
+        ...
+
+
+class LocalExecutor:
+    """The whole model in this process, run eagerly by one ModelRunner."""
+
+    def __init__(self, model: nn.Module, device: torch.device, config: EngineConfig):
+        self.model = model
+        self.device = device
+        self.config = config
+        self.runner: ModelRunner | None = None
+
+    def profile_num_blocks(self, per_block: int, tokens: int, block_size: int) -> int:
+        return profile_kv_blocks(
+            self.model,
+            self.device,
+            tokens=tokens,
+            block_size=block_size,
+            backend=self.config.attention_backend,
+            per_block=per_block,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            num_logit_rows=min(tokens, self.config.max_num_seqs),
+        )
+
+    def allocate(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            block_size,
+            self.device,
+            attention_backend=self.config.attention_backend,
+            num_swap_blocks=num_swap_blocks,
+        )
+
+    def execute(
+        self, step: SchedulerOutput, block_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        assert self.runner is not None, "allocate() the KV cache before the first step"
+        return self.runner.execute(step, block_ids)
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.runner.kv_caches if self.runner is not None else []
+
+    def shutdown(self) -> None:
+        pass
+
+
+def build_executor(
+    config: EngineConfig,
+    folder: Path,
+    hf_config: dict[str, Any],
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    make_linear: LinearFactory,
+) -> LocalExecutor | Any:
+    """Load the weights the way `config` asks: in this process, or split over k ranks."""
+    if config.tensor_parallel_size > 1:
+        from .distributed.tp_runner import TensorParallelExecutor
+
+        return TensorParallelExecutor.launch(
+            config, str(folder), hf_config, model_config, dtype, device, max_model_len,
+            make_linear,
+        )  # fmt: skip
+    model = build_model(model_config, dtype, device, max_model_len, make_linear=make_linear)
+    model.load_weights(iter_weights(folder))
+    return LocalExecutor(model.eval(), device, config)
