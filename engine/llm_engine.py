@@ -33,6 +33,7 @@ from .request import Request, RequestStatus
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .tool_formats import ToolCallFormat, tool_format_for
 
 logger = logging.getLogger(__name__)
 
@@ -410,6 +411,16 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release what outlives the object: the tensor-parallel ranks, if any."""
         self.executor.shutdown()
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        """The tool-call markup this model was trained on (chosen once, from its chat
+        template, else its architecture): what front ends render, force and parse."""
+        chosen = getattr(self, "_tool_format", None)
+        if chosen is None:
+            architecture = getattr(getattr(self, "model_config", None), "architecture", None)
+            chosen = self._tool_format = tool_format_for(self.tokenizer, architecture)
+        return chosen
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs

@@ -40,6 +40,7 @@ from .engine.outputs import RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams
 from .engine.tool_calls import (
     CALL_OPEN,
+    ToolCallFormat,
     parse_tool_calls,
     render_chat_prompt,
     tool_call_constraint,
@@ -157,8 +158,11 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         if tool_choice == "none":
             tools = None  # the model must answer in text: do not offer tools at all
         constraint = None
+        tool_format = engine.engine.tool_format
         if tools:
-            constraint = tool_call_constraint(tools, tool_choice, parallel_tool_calls=parallel)
+            constraint = tool_call_constraint(
+                tools, tool_choice, parallel_tool_calls=parallel, tool_format=tool_format
+            )
         if constraint is not None and structured is not None:
             raise ValueError("a call cannot both force a tool call and a structured output")
         merged = merge_sampling(
@@ -173,12 +177,13 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
             tools=tools,
             tool_choice=tool_choice,
             add_generation_prompt=True,
+            tool_format=tool_format,
         )
         # The template already holds any BOS: no second one from the tokenizer.
         ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
         group = engine.engine.process_inputs({"prompt_token_ids": ids}, params)
         logprobs = params.logprobs
-        return engine, group, _ChatCall(params, tools, logprobs)
+        return engine, group, _ChatCall(params, tools, logprobs, tool_format)
 
     def _message(self, output: RequestOutput, index: int, call: _ChatCall) -> ChatGeneration:
         completion = output.outputs[index]
@@ -201,7 +206,7 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
     def _split_tool_calls(text: str, call: _ChatCall) -> tuple[str, list]:
         if not call.tools:
             return text, []
-        return parse_tool_calls(text, call.tools)
+        return parse_tool_calls(text, call.tools, call.tool_format)
 
     def _response_metadata(self, completion, call: _ChatCall, called: bool) -> dict[str, Any]:
         metadata: dict[str, Any] = {
@@ -401,12 +406,14 @@ class _ChatCall:
     params: SamplingParams
     tools: list[dict[str, Any]] | None
     logprobs: int | None
+    tool_format: ToolCallFormat | None = None  # the model's markup of calls
     generated: int = 0  # tokens streamed so far (DELTA outputs carry only the new ones)
     gate: ToolCallGate | None = None  # streaming with tools: holds text that may be a call
 
     def __post_init__(self) -> None:
         if self.tools and self.params.output_kind == RequestOutputKind.DELTA:
-            self.gate = ToolCallGate(CALL_OPEN)
+            call_open = self.tool_format.call_open if self.tool_format else CALL_OPEN
+            self.gate = ToolCallGate(call_open)
 
 
 def _usage(output: RequestOutput, generated: int) -> UsageMetadata:

@@ -122,7 +122,8 @@ class ToolCallGate:
     and what may be a tool call (held until the end, when `parse_tool_calls` decides).
 
     Held: output that opens like a bare JSON call (`{`, `[`, a code fence), everything from
-    a `<tool_call>` tag on, and a tail that could be the start of that tag.
+    the model's call tag on (`<tool_call>`, `<|tool_call|>`; Gemma's calls have none), and a
+    tail that could be the start of that tag.
     """
 
     def __init__(self, call_open: str) -> None:
@@ -143,12 +144,12 @@ class ToolCallGate:
             if head[0] in "{[`":
                 self.holding = True
                 return ""
-        index = self.pending.find(self.call_open)
+        index = self.pending.find(self.call_open) if self.call_open else -1
         if index >= 0:
             ready, self.pending = self.pending[:index], self.pending[index:]
             self.holding = True
         else:
-            keep = _partial_tag_length(self.pending, self.call_open)
+            keep = _partial_tag_length(self.pending, self.call_open) if self.call_open else 0
             cut = len(self.pending) - keep
             ready, self.pending = self.pending[:cut], self.pending[cut:]
         self.sent += ready

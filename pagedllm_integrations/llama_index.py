@@ -206,12 +206,19 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
             # The user's own formatting wins over the model's chat template.
             return to_prompt(messages), params, tools
         tokenizer = self.engine.tokenizer
+        tool_format = self.engine.engine.tool_format
         text = render_chat_prompt(
-            tokenizer, to_openai_messages(messages), tools=tools, tool_choice=tool_choice
+            tokenizer,
+            to_openai_messages(messages),
+            tools=tools,
+            tool_choice=tool_choice,
+            tool_format=tool_format,
         )
         if tools and params.structured_outputs is None:
             parallel = bool(kwargs.get("parallel_tool_calls"))
-            constraint = tool_call_constraint(tools, tool_choice, parallel_tool_calls=parallel)
+            constraint = tool_call_constraint(
+                tools, tool_choice, parallel_tool_calls=parallel, tool_format=tool_format
+            )
             if constraint is not None:  # "required" or a named tool: force a valid call
                 params = params.clone(structured_outputs=constraint)
         # The template already holds any BOS token: the tokenizer must not add another.
@@ -279,18 +286,19 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         outputs, tools = self._start(self._chat_request(messages, kwargs, False))
-        return chat_response(last(outputs), tools)
+        return chat_response(last(outputs), tools, None, self.engine.engine.tool_format)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         outputs, tools = self._start(self._chat_request(messages, kwargs, True))
         deltas = Deltas()
-        return (chat_response(output, tools, deltas) for output in outputs)
+        fmt = self.engine.engine.tool_format
+        return (chat_response(output, tools, deltas, fmt) for output in outputs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         outputs, tools = await self._astart(self._chat_request, messages, kwargs, False)
-        return chat_response(await alast(outputs), tools)
+        return chat_response(await alast(outputs), tools, None, self.engine.engine.tool_format)
 
     @llm_chat_callback()
     async def astream_chat(
@@ -298,7 +306,8 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     ) -> ChatResponseAsyncGen:
         outputs, tools = await self._astart(self._chat_request, messages, kwargs, True)
         deltas = Deltas()
-        return (chat_response(output, tools, deltas) async for output in outputs)
+        fmt = self.engine.engine.tool_format
+        return (chat_response(output, tools, deltas, fmt) async for output in outputs)
 
     # -------------------------------------------------------- function calling
     def _prepare_chat_with_tools(

@@ -188,7 +188,10 @@ def completion_response(output: RequestOutput, deltas: Deltas | None = None) -> 
 
 
 def chat_response(
-    output: RequestOutput, tools: list[dict] | None, deltas: Deltas | None = None
+    output: RequestOutput,
+    tools: list[dict] | None,
+    deltas: Deltas | None = None,
+    tool_format: Any = None,
 ) -> ChatResponse:
     """An assistant message (whole, or one streamed chunk). When tools were on offer, the
     final one carries the parsed calls as ToolCallBlocks and as OpenAI-style
@@ -202,7 +205,7 @@ def chat_response(
     additional: dict[str, Any] = {}
     blocks: list[Any] = []
     if tools and output.finished:
-        text, calls = parse_tool_calls(text, tools)
+        text, calls = parse_tool_calls(text, tools, tool_format)
         blocks = [
             ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
             for c in calls

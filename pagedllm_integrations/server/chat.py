@@ -72,7 +72,13 @@ def _render(state: ServerState, messages: list[dict], tools: list | None, choice
         if tools:
             from ..engine.tool_calls import render_chat_prompt
 
-            text = render_chat_prompt(tokenizer, messages, tools=tools, tool_choice=choice)
+            text = render_chat_prompt(
+                tokenizer,
+                messages,
+                tools=tools,
+                tool_choice=choice,
+                tool_format=state.engine.engine.tool_format,
+            )
         else:
             text = state.engine.engine.apply_chat_template(messages)
     except (TemplateError, TypeError, KeyError, IndexError) as error:
@@ -99,7 +105,7 @@ async def create_chat_completion(
     if tools:
         from ..engine.tool_calls import tool_call_constraint
 
-        forced = tool_call_constraint(tools, choice)
+        forced = tool_call_constraint(tools, choice, tool_format=state.engine.engine.tool_format)
         if forced is not None and structured is not None:
             raise APIError(400, "a required tool call and response_format cannot both constrain "
                            "the output; drop one", param="response_format")  # fmt: skip
@@ -131,7 +137,7 @@ async def create_chat_completion(
         return Response(status_code=499)
     choices = []
     for output in sorted(final.outputs, key=lambda o: o.index):
-        message, finish_reason = _message(output.text, output.finish_reason, tools)
+        message, finish_reason = _message(output.text, output.finish_reason, tools, state)
         choices.append(
             {
                 "index": output.index,
@@ -158,13 +164,13 @@ async def create_chat_completion(
     )
 
 
-def _message(text: str, finish_reason: str | None, tools: list | None):
+def _message(text: str, finish_reason: str | None, tools: list | None, state: ServerState):
     """The assistant message of one choice, with any tool calls parsed out of its text."""
     calls = []
     if tools:
         from ..engine.tool_calls import parse_tool_calls
 
-        text, calls = parse_tool_calls(text, tools)
+        text, calls = parse_tool_calls(text, tools, state.engine.engine.tool_format)
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
     if calls:
         message["tool_calls"] = [
@@ -250,7 +256,9 @@ async def _stream(
                     state_.logprobs.extend(output.logprobs or [])
                     if not finished:
                         continue
-                    message, reason = _message("".join(state_.text), output.finish_reason, tools)
+                    message, reason = _message(
+                        "".join(state_.text), output.finish_reason, tools, state
+                    )
                     delta: dict[str, Any] = {}
                     if message["content"]:
                         delta["content"] = message["content"]
