@@ -282,3 +282,32 @@ def test_each_format_parses_its_markup():
         ("gemma", "The answer is 3."),
     ]:
         assert parse_tool_calls(text, TOOLS, name) == (text, [])
+
+
+def test_langchain_bind_tools_speaks_the_model_format(family_llm):
+    """ChatPagedLLM renders, forces and parses (invoke and stream) in the model's markup."""
+    from langchain_core.messages import AIMessageChunk
+
+    from pagedllm_integrations.langchain import ChatPagedLLM
+
+    _, llm = family_llm
+    chat = ChatPagedLLM(
+        model=str(llm.engine.engine.model_folder),
+        temperature=0,
+        max_tokens=120,
+        dtype="float32",
+        engine_kwargs=dict(max_model_len=2048, disable_log_stats=True),
+    )
+    try:
+        bound = chat.bind_tools(TOOLS, tool_choice="add")
+        message = bound.invoke("What is 2 + 3?")
+        assert [call["name"] for call in message.tool_calls] == ["add"]
+        jsonschema.validate(message.tool_calls[0]["args"], SCHEMAS["add"])
+        merged = None
+        for chunk in bound.stream("What is 2 + 3?"):
+            assert isinstance(chunk, AIMessageChunk)
+            merged = chunk if merged is None else merged + chunk
+        assert merged is not None and [c["name"] for c in merged.tool_calls] == ["add"]
+        assert merged.tool_calls[0]["args"] == message.tool_calls[0]["args"]  # greedy: same
+    finally:
+        chat.engine.shutdown()  # this test's own shared engine (a tiny model's)
