@@ -14,7 +14,8 @@ calls out of generated text.
              calls as <|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>
     gemma    Gemma 2/3 (no tool tokens: prompting, as Google's function-calling guide
              describes): the tool definitions as JSON with instructions in the first user
-             turn; a call is {"name": "get_weather", "parameters": {"city": "Paris"}}.
+             turn; a call is {"name": "get_weather", "parameters": {"city": "Paris"}}, the
+             call Llama 3.1+ templates ask for too (their template renders the tools).
              The guide's other variant, Python calls [get_weather(city="Paris")], is read
              too, but the grammar forces the JSON one: it is the one whose arguments a JSON
              schema constrains exactly.
@@ -345,6 +346,8 @@ def _python_calls(text: str, known: set[str] | None) -> list[ToolCall] | None:
 
 
 # ---------------------------------------------------------------------------- choice
+# What Llama 3.1+ chat templates tell the model when they render tools.
+_JSON_CALL_INSTRUCTION = '{"name": function name, "parameters": dictionary of argument name'
 HERMES = HermesFormat()
 PHI4 = Phi4Format()
 GEMMA = GemmaFormat()
@@ -372,8 +375,8 @@ def tool_format_for(tokenizer: Any, architecture: str | None = None) -> ToolCall
         return HERMES
     if "<|tool_call|>" in template or "<|tool|>" in template:
         return PHI4
-    if "<start_of_turn>" in template:
-        return GEMMA
+    if "<start_of_turn>" in template or _JSON_CALL_INSTRUCTION in template:
+        return GEMMA  # Llama 3.1+ templates ask for the same {"name", "parameters"} call
     architecture = architecture or ""
     if architecture.startswith("Gemma"):
         return GEMMA

@@ -205,12 +205,14 @@ def read_config(folder: Path) -> dict:
 MAX_NEW = 12
 
 
-def hf_greedy(folder, prompts: list[str], max_new: int = MAX_NEW) -> list[list[int]]:
+def hf_greedy(
+    folder, prompts: list[str], max_new: int = MAX_NEW, dtype: torch.dtype = torch.float32
+) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, alone, cut after the first eos."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     eos = model.generation_config.eos_token_id
     results = []
     for prompt in prompts:

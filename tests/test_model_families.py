@@ -51,6 +51,22 @@ def test_family_matches_transformers(family_dir, kind):
     assert_engine_matches(folder, PROMPTS, hf_greedy(folder, PROMPTS), max_model_len=128)
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3_moe"])
+def test_bfloat16_starts_like_transformers(family_dir, kind):
+    """In bfloat16 the kernels round differently from transformers: the first tokens agree
+    (Gemma's (1 + w) norms and soft-caps, the experts' routing weights in bf16)."""
+    import torch
+
+    from pagedllm_integrations import LLM, SamplingParams
+
+    folder = family_dir(kind)
+    expected = hf_greedy(folder, PROMPTS, 4, dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with LLM(str(folder), dtype="bfloat16", disable_log_stats=True, max_model_len=128) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert [g[:3] for g in got] == [e[:3] for e in expected]
+
+
 def test_gemma_prompts_span_several_windows(family_dir):
     from transformers import AutoTokenizer
 

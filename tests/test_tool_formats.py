@@ -311,3 +311,23 @@ def test_langchain_bind_tools_speaks_the_model_format(family_llm):
         assert merged.tool_calls[0]["args"] == message.tool_calls[0]["args"]  # greedy: same
     finally:
         chat.engine.shutdown()  # this test's own shared engine (a tiny model's)
+
+
+def test_format_choice_from_template_and_architecture():
+    from types import SimpleNamespace
+
+    from pagedllm_integrations.engine.tool_formats import tool_format_for
+
+    def chosen(template, architecture=None):
+        return tool_format_for(SimpleNamespace(chat_template=template), architecture).name
+
+    assert chosen(QWEN3_TEMPLATE) == "hermes"
+    assert chosen(GEMMA3_TEMPLATE) == "gemma"
+    assert chosen(PHI4_MINI_TEMPLATE) == "phi4"
+    llama3 = 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+    assert chosen("{{ tools }}" + llama3, "LlamaForCausalLM") == "gemma"
+    # a template that says nothing about tools: the family decides, else Hermes
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert chosen(plain, "Gemma2ForCausalLM") == "gemma"
+    assert chosen(plain, "Phi3ForCausalLM") == "phi4"
+    assert chosen(plain, "Qwen3ForCausalLM") == chosen(plain) == "hermes"
