@@ -14,14 +14,14 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .gguf_loader import gguf_to_hf_folder, is_gguf_folder, iter_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -114,117 +114,22 @@ def _from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> P
         ) from error
 
 
-# ---------------------------------------------------------------- GGUF files
-_GGUF_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def gguf_to_hf_folder(path: Path) -> Path:
-    """Convert a GGUF file into a cached Hugging Face folder (done once per file version)."""
-    import xxhash
-
-    stat = path.stat()
-    key = xxhash.xxh64_hexdigest(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v1".encode())
-    target = cache_dir() / "gguf" / f"{path.stem}-{key}"
-    if (target / "model.safetensors").exists():
-        return target
-    logger.info("converting %s to a Hugging Face folder at %s (once)", path, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        _write_gguf_as_hf(path, tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _write_gguf_as_hf(path: Path, out: Path) -> None:
-    import gguf
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
-
-    folder, name = str(path.parent), path.name
-    try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except Exception as error:
-        raise ValueError(f"{path} could not be read as a GGUF model: {error}") from error
-    reader = gguf.GGUFReader(str(path))
-    arch_field = reader.fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    if arch not in _GGUF_ARCH:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCH)}")
-    config.architectures = [_GGUF_ARCH[arch]]
-    num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        hf_name = _gguf_tensor_name(tensor.name)
-        if hf_name is None:
-            continue
-        values = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
-        # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
-        if tensor.name.endswith("attn_q.weight"):
-            values = _unpermute_rotary(values, num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            values = _unpermute_rotary(values, num_kv_heads)
-        tensors[hf_name] = values.contiguous()
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out / "model.safetensors"))
-    config.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-
-
-def _gguf_tensor_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    match = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    if match and match.group(2) in _GGUF_NAMES:
-        return f"model.layers.{match.group(1)}.{_GGUF_NAMES[match.group(2)]}.{match.group(3)}"
-    return None  # e.g. rope_freqs: the rope config comes from the metadata
-
-
-def _unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-    )
-
-
 # ------------------------------------------------------- Hugging Face folders
 def read_config(folder: Path) -> dict[str, Any]:
     with open(folder / "config.json") as f:
         return json.load(f)
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of a folder: safetensors shards, else .bin files."""
+def iter_weights(folder: Path) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor of a folder: safetensors shards, else .bin files.
+
+    A folder made from a GGUF file holds no weights: they are read from the GGUF file,
+    and its quantized tensors come as `GGUFTensor`s (still packed; see gguf_loader.py)."""
     from safetensors import safe_open
 
+    if is_gguf_folder(folder):
+        yield from iter_gguf_weights(folder)
+        return
     files = sorted(glob.glob(str(folder / "*.safetensors")))
     index = folder / "model.safetensors.index.json"
     if index.exists():

@@ -82,8 +82,10 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "auto",
         num_swap_blocks: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         cfg = model.config
+        kv_dtype = kv_cache_dtype or model.dtype
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -92,8 +94,8 @@ class ModelRunner:
         # One (key, value) pair of [num_blocks, block_size, Hkv, D] tensors per layer.
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=model.dtype, device=device),
-                torch.zeros(shape, dtype=model.dtype, device=device),
+                torch.zeros(shape, dtype=kv_dtype, device=device),
+                torch.zeros(shape, dtype=kv_dtype, device=device),
             )
             for _ in range(cfg.num_layers)
         ]
@@ -101,8 +103,8 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.swap_space = [
             (
-                torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin),
-                torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin),
+                torch.zeros(host_shape, dtype=kv_dtype, pin_memory=pin),
+                torch.zeros(host_shape, dtype=kv_dtype, pin_memory=pin),
             )
             for _ in range(cfg.num_layers if num_swap_blocks else 0)
         ]

@@ -14,13 +14,36 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _fused_ops():
+    return torch.ops.pagedllm
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally fused with the residual add that precedes it.
+
+    `norm(x)` -> normed x. `norm(x, residual)` -> (normed (residual + x), residual + x): the
+    pre-norm of a sub-layer that first adds the previous sub-layer's output to the residual
+    stream. With `fused` (the CPU fast path) one C++ kernel does both, in place.
+    """
+
+    fused = False  # set per instance by enable_fused_cpu_kernels
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            if self.fused:
+                return _fused_ops().add_rms_norm(x, residual, self.weight, self.eps), residual
+            residual = x + residual
+            return self._norm(residual), residual
+        if self.fused:
+            return _fused_ops().rms_norm(x, self.weight, self.eps)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -66,8 +89,11 @@ class StackedLinear(nn.Module):
             else None
         )
 
-    def load(self, suffix: str, tensor: torch.Tensor, shard: int) -> None:
+    def load(self, suffix: str, tensor: Any, shard: int) -> None:
+        from ..gguf_loader import as_dense
+
         start, end = self.offsets[shard], self.offsets[shard + 1]
+        tensor = as_dense(tensor, self.weight.dtype)
         if suffix == "weight":
             _copy_checked(self.weight.data[start:end], tensor, f"weight shard {shard}")
         elif suffix == "bias" and self.bias is not None:
@@ -184,11 +210,24 @@ class RotaryEmbedding(nn.Module):
         # rows up once per pass, not once per layer.
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The fused kernel reads cos/sin [P, D/2] (the two halves of each row are equal).
+        self._half_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    fused = False  # set per instance by enable_fused_cpu_kernels
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k."""
+        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k (in place when fused)."""
+        if self.fused:
+            half = self.cos.shape[1] // 2
+            if self._half_tables is None:
+                self._half_tables = (
+                    self.cos[:, :half].float().contiguous(),
+                    self.sin[:, :half].float().contiguous(),
+                )
+            _fused_ops().rotary_neox_(q, k, positions, *self._half_tables)
+            return q, k
         if positions is not self._positions or self._cos_sin is None:
             self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             self._positions = positions
@@ -199,3 +238,107 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# --------------------------------------------------------- embedding and head
+class VocabEmbedding(nn.Module):
+    """The token embedding table [vocab, hidden].
+
+    On the CPU fast path (`fused`) the table is kept as the checkpoint gives it: a packed
+    quantized GGUF table stays packed (rows are dequantized as they are looked up) and a
+    float one is held in bf16; no float32 copy is made. Output: [T, hidden] in `dtype`.
+    """
+
+    def __init__(
+        self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, fused: bool
+    ):
+        super().__init__()
+        self.fused = fused
+        self.dtype = dtype
+        self.shape = (vocab, hidden)
+        self.weight: torch.Tensor | None = None
+        self.fast_weight: Any = None  # PackedWeight or bf16 tensor, on the fast path
+        if not fused:
+            self.weight = nn.Parameter(
+                torch.empty(vocab, hidden, dtype=dtype, device=device), requires_grad=False
+            )
+
+    def load(self, tensor: Any) -> None:
+        from ..gguf_loader import as_dense
+
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(f"embedding: checkpoint shape {tuple(tensor.shape)} != {self.shape}")
+        if self.fused:
+            from ...quant.packed_linear import to_fast_weight
+
+            self.fast_weight = to_fast_weight(tensor)
+        else:
+            assert self.weight is not None
+            self.weight.data.copy_(as_dense(tensor, self.dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return F.embedding(input_ids, self.weight)
+        table = self.fast_weight
+        if isinstance(table, torch.Tensor):
+            return F.embedding(input_ids, table).to(self.dtype)
+        if table.kind == "i8":
+            mins = table.mins if table.mins is not None else torch.empty(0)
+            return (
+                _fused_ops()
+                .i8_embedding(input_ids, table.qweight, table.scales, mins, table.group)
+                .to(self.dtype)
+            )
+        return table.rows_of(input_ids).dequantize(self.dtype)
+
+
+class LMHead(nn.Module):
+    """hidden [N, hidden] -> logits [N, vocab] float32; its own weight or the embedding's."""
+
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool,
+        tied_to: VocabEmbedding | None = None,
+    ):
+        super().__init__()
+        self.fused = fused
+        # The tied embedding module is not registered as a child (it is the model's).
+        self._tied = [tied_to] if tied_to is not None else []
+        self.own = (
+            None if tied_to is not None else VocabEmbedding(vocab, hidden, dtype, device, fused)
+        )
+
+    @property
+    def table(self) -> VocabEmbedding:
+        return self._tied[0] if self._tied else self.own  # type: ignore[return-value]
+
+    def load(self, tensor: Any) -> None:
+        if self.own is not None:
+            self.own.load(tensor)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        if not self.fused:
+            return F.linear(hidden, table.weight).float()
+        from ...quant.packed_linear import packed_matmul
+
+        return packed_matmul(hidden.float(), table.fast_weight)
+
+
+def silu_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    if fused:
+        return _fused_ops().gated_act(gate_up, False)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def enable_fused_cpu_kernels(model: nn.Module) -> None:
+    """Switch a model's norms and rotary embeddings to the C++ kernels (the CPU fast path)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm | RotaryEmbedding):
+            module.fused = True

@@ -13,12 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import ops
 from ..attention_metadata import AttentionMetadata
-from .layers import LinearFactory, RMSNorm, RotaryEmbedding, dense_linear
+from ..gguf_loader import as_dense
+from .layers import (
+    LinearFactory,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    dense_linear,
+    enable_fused_cpu_kernels,
+    silu_and_mul,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -171,9 +180,10 @@ class LlamaMLP(nn.Module):
         make_linear: LinearFactory,
         dtype: torch.dtype,
         device: torch.device,
+        fused: bool = False,
     ):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
+        self.fused = fused
         self.gate_up_proj = make_linear(
             cfg.hidden_size,
             [cfg.intermediate_size, cfg.intermediate_size],
@@ -192,24 +202,36 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, index, make_linear, rotary, dtype, device):
+    def __init__(self, cfg, index, make_linear, rotary, dtype, device, fused=False):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.self_attn = LlamaAttention(
             cfg, f"{prefix}.self_attn", make_linear, rotary, dtype, device
         )
-        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", make_linear, dtype, device)
+        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", make_linear, dtype, device, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (or the embedding)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before x is added
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream it is to be added to)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 # checkpoint name -> (module path, shard index); the suffix (weight, bias, qweight, ...) follows.
@@ -233,14 +255,16 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         max_model_len: int,
         make_linear: LinearFactory = dense_linear,
+        fused_cpu: bool = False,
     ):
+        """fused_cpu: the CPU fast path (C++ kernels for norms, rotary, activation and the
+        embedding / head; linears come from `make_linear`, e.g. quant.packed_linear)."""
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        self.embed_tokens = VocabEmbedding(
+            cfg.vocab_size, cfg.hidden_size, dtype, device, fused_cpu
         )
-        self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(
             cfg.head_dim,
             max(max_model_len, 1),
@@ -250,17 +274,20 @@ class LlamaForCausalLM(nn.Module):
             device,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, make_linear, self.rotary, dtype, device)
+            LlamaDecoderLayer(cfg, i, make_linear, self.rotary, dtype, device, fused_cpu)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head_weight = nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
-                requires_grad=False,
-            )
+        self.lm_head = LMHead(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype,
+            device,
+            fused_cpu,
+            tied_to=self.embed_tokens if cfg.tie_word_embeddings else None,
+        )
+        if fused_cpu:
+            enable_fused_cpu_kernels(self)
 
     @torch.inference_mode()
     def forward(
@@ -271,14 +298,15 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, kv_cache, meta, residual)
+        return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the model; complain about gaps."""
@@ -304,14 +332,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> str | None:
         if name.startswith("model.embed_tokens."):
-            self.embed_tokens.weight.data.copy_(tensor)
+            self.embed_tokens.load(tensor)
             return "embed_tokens"
         if name == "model.norm.weight":
-            self.norm.weight.data.copy_(tensor)
+            self.norm.weight.data.copy_(as_dense(tensor, self.dtype))
             return "norm"
         if name == "lm_head.weight":
             if not self.config.tie_word_embeddings:
-                self.lm_head_weight.data.copy_(tensor)
+                self.lm_head.load(tensor)
             return "lm_head"
         if "rotary_emb" in name:
             return None
@@ -320,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
         )
         if layer_norm:
             i, which = int(layer_norm.group(1)), layer_norm.group(2)
-            getattr(self.layers[i], which).weight.data.copy_(tensor)
+            getattr(self.layers[i], which).weight.data.copy_(as_dense(tensor, self.dtype))
             return f"{i}.{which}"
         match = _LAYER_NAME.match(name)
         if match and match.group(3) in _STACKED:

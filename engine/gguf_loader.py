@@ -1,0 +1,208 @@
+"""GGUF files (llama.cpp's format, what Ollama pulls) read in place, weights kept quantized.
+
+A GGUF file becomes a small Hugging Face folder in the pagedllm cache, made once: its
+config.json and tokenizer (read from the GGUF metadata by transformers) and `gguf.json`,
+which names the GGUF file. The weights stay in the GGUF file: each load reads them from
+there (memory-mapped), so there is no float32 copy on disk. Quantized tensors come out as
+`GGUFTensor`s, still in their blocks; the model's linear layers decide what to do with
+them: pack them for the C++ kernels (quant/gguf_blocks.py, exact), or dequantize them
+(`GGUFTensor.dense`) for the float32 reference path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MARKER = "gguf.json"
+_FOLDER_VERSION = "v2"  # v1 folders held dequantized float32 safetensors
+_GGUF_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
+
+
+@dataclass(slots=True)
+class GGUFTensor:
+    """One quantized GGUF weight [N, K], still in llama.cpp's blocks.
+
+    data: uint8 [N, bytes per row] (a view of the memory-mapped file, rows possibly
+    reordered); type_name: the GGML type (Q4_1, Q4_K, ...).
+    """
+
+    type_name: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight dequantized (as llama.cpp dequantizes it), as a torch tensor."""
+        from ..quant.gguf_blocks import dequantize_to
+
+        return dequantize_to(self.type_name, self.data, self.shape, dtype)
+
+    def permute_rows(self, order: np.ndarray) -> GGUFTensor:
+        return GGUFTensor(self.type_name, self.data[order], self.shape)
+
+
+def as_dense(value: torch.Tensor | GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor as a dense torch tensor of `dtype`, whatever form it came in."""
+    if isinstance(value, GGUFTensor):
+        return value.dense(torch.float32).to(dtype)
+    return value.to(dtype)
+
+
+# ------------------------------------------------------------------- the folder
+def is_gguf_folder(folder: Path) -> bool:
+    return (Path(folder) / _MARKER).exists()
+
+
+def gguf_file_of(folder: Path) -> Path:
+    return Path(json.loads((Path(folder) / _MARKER).read_text())["file"])
+
+
+def gguf_to_hf_folder(path: Path) -> Path:
+    """The cached config + tokenizer folder of a GGUF file (made once per file version)."""
+    import xxhash
+
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_FOLDER_VERSION}"
+    key = xxhash.xxh64_hexdigest(identity.encode())
+    from .model_loader import cache_dir
+
+    target = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if (target / _MARKER).exists():
+        return target
+    logger.info("reading the config and tokenizer of %s into %s (once)", path, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        _write_folder(path, tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_folder(path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, name = str(path.parent), path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as error:
+        raise ValueError(f"{path} could not be read as a GGUF model: {error}") from error
+    arch = _architecture(_reader(path))
+    if arch not in _GGUF_ARCH:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCH)}")
+    config.architectures = [_GGUF_ARCH[arch]]
+    config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / _MARKER).write_text(json.dumps({"file": str(path.resolve())}))
+
+
+def _reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def _architecture(reader) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+# ------------------------------------------------------------------ the weights
+def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """(Hugging Face name, tensor) for every weight of the folder's GGUF file. Float
+    tensors come as torch tensors, quantized ones as GGUFTensors (no copy made)."""
+    with open(Path(folder) / "config.json") as f:
+        config = json.load(f)
+    num_heads = int(config["num_attention_heads"])
+    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+    reader = _reader(gguf_file_of(folder))
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            continue
+        if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
+            continue
+        value = _tensor_value(tensor)
+        # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
+        if tensor.name.endswith("attn_q.weight"):
+            value = _unpermute_rotary(value, num_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            value = _unpermute_rotary(value, num_kv_heads)
+        yield hf_name, value
+
+
+def _tensor_value(tensor) -> torch.Tensor | GGUFTensor:
+    type_name = tensor.tensor_type.name
+    # GGUF lists dimensions innermost first: [K, N] is a weight of N rows of K values.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if type_name in _FLOAT_TYPES or type_name == "BF16":
+        values = np.asarray(tensor.data)
+        if type_name == "BF16":
+            raw = torch.from_numpy(np.ascontiguousarray(values).view(np.int16).copy())
+            return raw.view(torch.bfloat16).reshape(shape).float()
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+    if len(shape) != 2:
+        raise ValueError(f"quantized GGUF tensor {tensor.name} is not a matrix: {shape}")
+    return GGUFTensor(type_name, np.asarray(tensor.data), (shape[0], shape[1]))
+
+
+def _hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    match = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
+    if match and match.group(2) in _GGUF_NAMES:
+        return f"model.layers.{match.group(1)}.{_GGUF_NAMES[match.group(2)]}.{match.group(3)}"
+    return None  # e.g. rope_freqs: the rope config comes from the metadata
+
+
+def _unpermute_order(rows: int, num_heads: int) -> np.ndarray:
+    """Row order that turns llama.cpp's interleaved rotary layout back into the halves
+    layout of Hugging Face: in each head, rows (0, 2, 4, ..., 1, 3, 5, ...)."""
+    half = rows // num_heads // 2
+    order = np.arange(rows).reshape(num_heads, half, 2).transpose(0, 2, 1)
+    return order.reshape(-1)
+
+
+def _unpermute_rotary(value: Any, num_heads: int):
+    rows = value.shape[0]
+    order = _unpermute_order(rows, num_heads)
+    if isinstance(value, GGUFTensor):
+        return value.permute_rows(order)  # whole rows of blocks move: no dequantization
+    return value[torch.from_numpy(order)]
