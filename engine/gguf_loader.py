@@ -86,6 +86,17 @@ def gguf_file_of(folder: Path) -> Path:
     return Path(json.loads((Path(folder) / _MARKER).read_text())["file"])
 
 
+def load_with_transformers(folder: Path, **kwargs: Any):
+    """transformers' own AutoModelForCausalLM for a model folder; a GGUF folder's weights
+    are read (and dequantized by transformers) from its GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    if is_gguf_folder(folder):
+        file = gguf_file_of(folder)
+        return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+
+
 def gguf_to_hf_folder(path: Path) -> Path:
     """The cached config + tokenizer folder of a GGUF file (made once per file version)."""
     import xxhash

@@ -129,17 +129,24 @@ def test_gated_activations():
     torch.testing.assert_close(ops().gated_act(x, True), gelu, rtol=1e-5, atol=1e-6)
 
 
+def fast_layout(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """[blocks, block_size, Hkv, D] caches in the fast path's layout: k [blocks, Hkv, D,
+    block_size], v [blocks, Hkv, block_size, D]."""
+    return k_cache.permute(0, 2, 3, 1).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_writes_skip_padding(dtype):
-    k_cache = torch.zeros(6, 8, 2, 16, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    want_k = torch.zeros(6, 8, 2, 16, dtype=dtype)
+    want_v = torch.zeros_like(want_k)
     kv = torch.randn(5, 2 * 2 * 16)
     k, v = kv[:, :32].view(5, 2, 16), kv[:, 32:].view(5, 2, 16)  # strided rows
     slots = torch.tensor([3, 17, -1, 40, 0])
-    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     reference.reshape_and_cache(k, v, want_k, want_v, slots)
+    k_cache, v_cache = fast_layout(torch.zeros_like(want_k), torch.zeros_like(want_v))
     ops().write_kv_cache_(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    expected_k, expected_v = fast_layout(want_k, want_v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 def _attention_float64(q, k_cache, v_cache, cu, lens, tables, scale, window, soft_cap):
@@ -167,7 +174,14 @@ def _attention_float64(q, k_cache, v_cache, cu, lens, tables, scale, window, sof
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size,window",
-    [(4, 4, 16, 8, 0), (4, 2, 32, 16, 0), (9, 3, 64, 16, 0), (6, 2, 16, 8, 11), (2, 1, 128, 16, 0)],
+    [
+        (4, 4, 16, 8, 0),
+        (4, 2, 32, 16, 0),
+        (9, 3, 64, 16, 0),
+        (6, 2, 16, 8, 11),
+        (2, 1, 128, 16, 0),
+        (6, 2, 32, 24, 40),
+    ],
 )
 def test_paged_attention_rows_read_the_cache_in_place(
     kv_dtype, heads, kv_heads, head_dim, block_size, window
@@ -190,9 +204,10 @@ def test_paged_attention_rows_read_the_cache_in_place(
     q = torch.randn(cu[-1], heads, head_dim, generator=g)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
+    fast_k, fast_v = fast_layout(k_cache, v_cache)
     for soft_cap in (0.0, 5.0):
         ops().paged_attention_rows_(
-            q, k_cache, v_cache, out, torch.arange(len(lens)),
+            q, fast_k, fast_v, out, torch.arange(len(lens)),
             torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
             torch.tensor(tables, dtype=torch.int32), scale, window, soft_cap,
         )  # fmt: skip
@@ -201,7 +216,7 @@ def test_paged_attention_rows_read_the_cache_in_place(
     # Only the sequences asked for are written.
     out.fill_(float("nan"))
     ops().paged_attention_rows_(
-        q, k_cache, v_cache, out, torch.tensor([2]), torch.tensor(cu, dtype=torch.int32),
+        q, fast_k, fast_v, out, torch.tensor([2]), torch.tensor(cu, dtype=torch.int32),
         torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32),
         scale, window, 0.0,
     )  # fmt: skip
@@ -215,8 +230,10 @@ def test_attention_rows_do_not_depend_on_how_the_prompt_was_split():
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block_size, length = 6, 2, 64, 16, 70
     blocks = torch.randperm(12, generator=g)[:5].to(torch.int32)
-    k_cache = torch.randn(12, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
-    v_cache = torch.randn(12, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    k_cache, v_cache = fast_layout(
+        torch.randn(12, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16),
+        torch.randn(12, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16),
+    )
     q = torch.randn(length, heads, head_dim, generator=g)
     scale = head_dim**-0.5
 

@@ -2,7 +2,11 @@
 // and values in place from the paged KV cache.
 //
 //   q            [T, Hq, D] float32     rows of the flat batch (rows may be strided)
-//   k/v_cache    [num_blocks, block_size, Hkv, D] float32 or bfloat16
+//   k_cache      [num_blocks, Hkv, D, block_size] float32 or bfloat16 (keys transposed)
+//   v_cache      [num_blocks, Hkv, block_size, D]
+//                The fast path's own layout (ops.cpp writes it): one KV head's keys of a
+//                block are D vectors of block_size positions, so a chunk of keys loads
+//                as whole vectors, already transposed for the scores.
 //   out          [T, Hq, D] float32     written for the rows of the given sequences
 //   seq_ids      [S] int64              the sequences of the step to attend
 //   cu_seqlens_q [B + 1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32
@@ -67,7 +71,7 @@ inline float exp_scalar(float x) { return x == kNegInf ? 0.f : std::exp(x); }
 
 struct Geometry {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
-  int64_t token_stride, block_stride;  // cache strides in elements
+  int64_t head_stride, block_stride;  // cache strides in elements (both caches)
   int64_t q_row_stride, out_row_stride;
 };
 
@@ -86,22 +90,39 @@ struct Scratch {
   std::vector<float> probs;   // [kChunk]
 };
 
+inline void widen(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+
+inline void widen(const bf16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  for (; i + 16 <= n; i += 16) {  // bf16 -> float32 is a 16-bit shift
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i,
+                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// The keys (transposed, [D][kChunk]) and values ([kChunk][D]) of chunk positions
+// [begin, end) in float32 scratch; lanes outside are zero.
 template <typename CacheT>
 void load_chunk(const CacheT* k_cache, const CacheT* v_cache, const int32_t* table,
                 const Geometry& geo, int64_t kv_head, int64_t start, int64_t begin, int64_t end,
                 Scratch& s) {
-  const int64_t d = geo.head_dim;
+  const int64_t d = geo.head_dim, bs = geo.block_size;
   std::fill(s.keys_t.begin(), s.keys_t.end(), 0.f);
-  for (int64_t pos = begin; pos < end; ++pos) {
+  int64_t pos = begin;
+  while (pos < end) {
+    const int64_t block = pos / bs, offset = pos % bs;
+    const int64_t count = std::min(bs - offset, end - pos);  // positions of this block
+    const int64_t base = static_cast<int64_t>(table[block]) * geo.block_stride +
+                         kv_head * geo.head_stride;
     const int64_t lane = pos - start;
-    const int64_t offset = static_cast<int64_t>(table[pos / geo.block_size]) * geo.block_stride +
-                           (pos % geo.block_size) * geo.token_stride + kv_head * d;
-    const CacheT* key = k_cache + offset;
-    const CacheT* value = v_cache + offset;
-    for (int64_t x = 0; x < d; ++x) {
-      s.keys_t[x * kChunk + lane] = static_cast<float>(key[x]);
-      s.values[lane * d + x] = static_cast<float>(value[x]);
-    }
+    for (int64_t x = 0; x < d; ++x)  // keys: row x holds dimension x of every position
+      widen(k_cache + base + x * bs + offset, s.keys_t.data() + x * kChunk + lane, count);
+    widen(v_cache + base + offset * d, s.values.data() + lane * d, count * d);
+    pos += count;
   }
 }
 
@@ -243,7 +264,7 @@ void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tenso
   const int64_t threads = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    Scratch s;
+    thread_local Scratch s;
     s.keys_t.resize(geo.head_dim * kChunk);
     s.values.resize(kChunk * geo.head_dim);
     s.probs.resize(kChunk);
@@ -263,17 +284,19 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out heads must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the cache disagree on head_dim");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && v_cache.size(3) == q.size(2) &&
+                  v_cache.size(2) == k_cache.size(3) && v_cache.size(1) == k_cache.size(1),
+              "caches must be k [blocks, Hkv, D, block_size] and v [blocks, Hkv, block_size, D]");
   Tensor seqs = seq_ids.to(at::kLong).contiguous();
   Tensor cu = cu_seqlens_q.to(at::kInt).contiguous();
   Tensor lens = seq_lens.to(at::kInt).contiguous();
   Tensor tables = block_tables.to(at::kInt).contiguous();
   const Geometry geo{q.size(1),
-                     k_cache.size(2),
-                     q.size(1) / k_cache.size(2),
-                     q.size(2),
                      k_cache.size(1),
+                     q.size(1) / k_cache.size(1),
+                     q.size(2),
+                     k_cache.size(3),
                      tables.size(1),
                      k_cache.size(2) * k_cache.size(3),
                      k_cache.size(1) * k_cache.size(2) * k_cache.size(3),

@@ -122,29 +122,41 @@ Tensor gated_act(const Tensor& x_in, bool gelu) {
 
 // ----------------------------------------------------------- KV cache write
 template <typename CacheT>
-inline void store_row(CacheT* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<CacheT>(src[i]);
+inline void store(CacheT* dst, float value) {
+  *dst = static_cast<CacheT>(value);
 }
 
-// k, v [T, Hkv, D] float32 (rows may be strided) -> caches [num_blocks, block_size, Hkv, D]
+// k, v [T, Hkv, D] float32 (rows may be strided, heads contiguous) into the fast path's
+// cache layout: k_cache [num_blocks, Hkv, D, block_size], v_cache [num_blocks, Hkv,
+// block_size, D] (see attention.cpp). Slot s is block s / block_size, position s % block_size.
 void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                      const Tensor& slot_mapping) {
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
                   v.stride(1) == v.size(2),
               "k and v heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t t = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t t = k.size(0), heads = k.size(1), d = k.size(2), bs = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(1) == heads && k_cache.size(2) == d && v_cache.size(2) == bs,
+              "caches must be k [blocks, Hkv, D, block_size] and v [blocks, Hkv, block_size, D]");
   const int64_t* sp = slots.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const int64_t ks = k.stride(0), vs = v.stride(0);
+  const int64_t ks = k.stride(0), vs = v.stride(0), head_stride = d * bs;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k_cache.scalar_type(), "write_kv_cache", [&] {
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     for (int64_t i = 0; i < t; ++i) {
       if (sp[i] < 0) continue;  // padding
-      store_row(kc + sp[i] * row, kp + i * ks, row);
-      store_row(vc + sp[i] * row, vp + i * vs, row);
+      const int64_t block = sp[i] / bs, offset = sp[i] % bs;
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* kdst = kc + (block * heads + h) * head_stride + offset;
+        scalar_t* vdst = vc + (block * heads + h) * head_stride + offset * d;
+        for (int64_t x = 0; x < d; ++x) {
+          store(kdst + x * bs, kp[i * ks + h * d + x]);
+          store(vdst + x, vp[i * vs + h * d + x]);
+        }
+      }
     }
   });
 }
