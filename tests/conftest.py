@@ -14,6 +14,8 @@ try:
 except ImportError:  # pragma: no cover
     pass
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The scheduler asserts its invariants after every step in the tests (off in production).
+os.environ.setdefault("PAGEDLLM_CHECK_INVARIANTS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
