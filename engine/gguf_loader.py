@@ -131,7 +131,7 @@ def _write_folder(path: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as error:
         raise ValueError(f"{path} could not be read as a GGUF model: {error}") from error
-    arch = _architecture(_reader(path))
+    arch = str(read_gguf(path).metadata.get("general.architecture"))
     if arch not in _GGUF_ARCH:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCH)}")
     config.architectures = [_GGUF_ARCH[arch]]
@@ -140,15 +140,101 @@ def _write_folder(path: Path, out: Path) -> None:
     (out / _MARKER).write_text(json.dumps({"file": str(path.resolve())}))
 
 
-def _reader(path: Path):
+@dataclass(slots=True)
+class GGUFTensorInfo:
+    name: str
+    type_name: str  # GGML type: F32, Q4_1, Q4_K, ...
+    shape: tuple[int, ...]  # as GGUF lists it: innermost dimension first
+    data: np.ndarray  # a view of the memory-mapped file: uint8 blocks, or the float values
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    """The metadata (scalars only) and tensors of a GGUF file, read without parsing its
+    large arrays (the tokenizer's vocabulary), which is most of what gguf.GGUFReader spends
+    its time on (seconds for a small model)."""
+
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensorInfo]
+
+
+_SCALARS = {  # GGUF value type -> struct format
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+    12: "<d",
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    import struct
+
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    buffer = memoryview(raw)
+    offset = 0
 
+    def take(fmt: str):
+        nonlocal offset
+        (value,) = struct.unpack_from(fmt, buffer, offset)
+        offset += struct.calcsize(fmt)
+        return value
 
-def _architecture(reader) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+    def string() -> str:
+        nonlocal offset
+        length = take("<Q")
+        offset += length
+        return bytes(buffer[offset - length : offset]).decode("utf-8", errors="replace")
+
+    def value(kind: int):
+        nonlocal offset
+        if kind in _SCALARS:
+            return take(_SCALARS[kind])
+        if kind == _STRING:
+            return string()
+        if kind != _ARRAY:
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+        item, count = take("<I"), take("<Q")
+        if item in _SCALARS and count <= 64:  # small arrays (e.g. per-layer sizes) are kept
+            return [take(_SCALARS[item]) for _ in range(count)]
+        if item in _SCALARS:  # large numeric arrays: skipped
+            offset += count * struct.calcsize(_SCALARS[item])
+        else:  # arrays of strings (a vocabulary) or of arrays: walked, not kept
+            for _ in range(count):
+                value(item)
+        return None
+
+    if bytes(buffer[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    offset = 4
+    take("<I")  # version
+    num_tensors, num_kv = take("<Q"), take("<Q")
+    metadata = {}
+    for _ in range(num_kv):
+        key = string()
+        metadata[key] = value(take("<I"))
+    infos = []
+    for _ in range(num_tensors):
+        name = string()
+        dims = tuple(take("<Q") for _ in range(take("<I")))
+        infos.append((name, dims, take("<I"), take("<Q")))
+    alignment = int(metadata.get("general.alignment") or 32)
+    start = -(-offset // alignment) * alignment
+    tensors = []
+    for name, dims, kind, data_offset in infos:
+        qtype = gguf.GGMLQuantizationType(kind)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+        row_bytes = dims[0] // block * size
+        data = raw[start + data_offset : start + data_offset + rows * row_bytes]
+        if qtype.name in _FLOAT_TYPES:
+            data = data.view(_FLOAT_TYPES[qtype.name])
+        elif qtype.name == "BF16":
+            data = data.view(np.uint16)
+        else:
+            data = data.reshape(rows, row_bytes)
+        tensors.append(GGUFTensorInfo(name, qtype.name, dims, data))
+    return GGUFFile(metadata, tensors)
 
 
 # ------------------------------------------------------------------ the weights
@@ -159,8 +245,7 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | GGUFTe
         config = json.load(f)
     num_heads = int(config["num_attention_heads"])
     num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-    reader = _reader(gguf_file_of(folder))
-    for tensor in reader.tensors:
+    for tensor in read_gguf(gguf_file_of(folder)).tensors:
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             continue
@@ -175,10 +260,10 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | GGUFTe
         yield hf_name, value
 
 
-def _tensor_value(tensor) -> torch.Tensor | GGUFTensor:
-    type_name = tensor.tensor_type.name
+def _tensor_value(tensor: GGUFTensorInfo) -> torch.Tensor | GGUFTensor:
+    type_name = tensor.type_name
     # GGUF lists dimensions innermost first: [K, N] is a weight of N rows of K values.
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(int(d) for d in reversed(tensor.shape))
     if type_name in _FLOAT_TYPES or type_name == "BF16":
         values = np.asarray(tensor.data)
         if type_name == "BF16":

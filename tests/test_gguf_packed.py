@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from pagedllm_integrations.engine.gguf_loader import GGUFTensor, _tensor_value
+from pagedllm_integrations.engine.gguf_loader import GGUFTensor, _tensor_value, read_gguf
 from pagedllm_integrations.quant.gguf_blocks import _BLOCK, PACKED_TYPES, to_packed
 
 ROWS, COLS = 24, 512
@@ -51,7 +51,12 @@ def _write_and_read(tmp_path, type_name: str, data: np.ndarray):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    (tensor,) = read_gguf(path).tensors
+    (reference,) = gguf.GGUFReader(str(path)).tensors  # llama.cpp's own reader agrees
+    assert tensor.name == reference.name and tensor.type_name == reference.tensor_type.name
+    assert np.array_equal(
+        np.asarray(tensor.data).reshape(-1), np.asarray(reference.data).reshape(-1)
+    )
     return _tensor_value(tensor)
 
 
