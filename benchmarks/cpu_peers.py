@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, GEN = 128, 128
+_RESULT = "CPU_PEERS_RESULT "  # marks a worker's result line among the logs on its stdout
 _PEERS = Path(os.environ.get("PAGEDLLM_PEERS_DIR", Path.home() / ".cache" / "pagedllm-peers"))
 
 
@@ -150,7 +151,10 @@ def run_worker(python: str, name: str, model: str, npl: list[int], kv_bytes: int
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
+    if not lines:
+        raise RuntimeError(f"{name} printed no result:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return json.loads(lines[-1][len(_RESULT) :])
 
 
 def hf_folder_of(gguf: Path) -> Path:
@@ -199,7 +203,7 @@ def main() -> int:
     args = parser.parse_args()
     args.npl = [int(n) for n in str(args.npl).split(",")]
     if args.worker:
-        print(json.dumps(WORKERS[args.worker](args)))
+        print(_RESULT + json.dumps(WORKERS[args.worker](args)), flush=True)
         return 0
 
     sys.path.insert(0, str(ROOT))
