@@ -99,3 +99,37 @@ def test_dense_checkpoint_runs_in_bf16_close_to_float32(tiny_llama_dir):
         want = tokens(reference.generate(PROMPTS, GREEDY, use_tqdm=False))
     # Random weights drawn wide (clear margins): the first tokens agree.
     assert [t[:4] for t in got] == [t[:4] for t in want]
+
+
+def test_awq_checkpoint_repacks_exactly_into_the_fast_path(tiny_llama_factory, tmp_path):
+    """AWQ's (q - z) * s becomes the packed U4 format's s * q + m with the same values, and
+    the fast path's next-token distribution follows the float32 path's."""
+    from pagedllm_integrations.quant.awq_format import AWQConfig, dequantize
+    from pagedllm_integrations.quant.awq_linear import AWQLinear
+    from pagedllm_integrations.quant.cli import load_float_model
+    from pagedllm_integrations.quant.quantizer import rtn_quantize_model, save_awq_checkpoint
+
+    src = tiny_llama_factory("fast-awq", hidden_size=128, num_heads=4, num_kv_heads=2, shards=1)
+    model, tokenizer = load_float_model(src)
+    quantized = rtn_quantize_model(model, group_size=64)
+    folder = save_awq_checkpoint(
+        model, quantized, tmp_path / "awq", AWQConfig(group_size=64), src, tokenizer
+    )
+    first = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    with LLM(str(folder), dtype="float32", disable_log_stats=True) as reference:
+        want = reference.generate(PROMPTS, first, use_tqdm=False)
+        ref_layer = reference.engine.engine.model.layers[0].self_attn.qkv_proj
+        dense = dequantize(
+            ref_layer.qweight, ref_layer.qzeros, ref_layer.scales, 64, torch.float32
+        ).t()
+    with LLM(str(folder), disable_log_stats=True) as fast:
+        layer = fast.engine.engine.model.layers[0].self_attn.qkv_proj
+        assert isinstance(layer, AWQLinear) and layer._packed is not None
+        assert torch.equal(layer._packed.dequantize(), dense)  # exact repacking
+        got = fast.generate(PROMPTS, first, use_tqdm=False)
+    # A random model's distribution is flat (top log-probs near -4), so compare it rather
+    # than long greedy paths, which flip on near-ties.
+    for f, r in zip(got, want):
+        f_top, r_top = f.outputs[0].logprobs[0], r.outputs[0].logprobs[0]
+        for token in set(f_top) & set(r_top):
+            assert abs(f_top[token].logprob - r_top[token].logprob) < 0.15
