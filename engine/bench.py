@@ -218,10 +218,9 @@ def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> Ru
 
 
 def load_hf_model(engine: AsyncEngine):
-    from transformers import AutoModelForCausalLM
+    from .gguf_loader import load_with_transformers
 
-    folder = engine.engine.model_folder
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=engine.engine.dtype).eval()
+    return load_with_transformers(engine.engine.model_folder, dtype=engine.engine.dtype).eval()
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> None:

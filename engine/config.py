@@ -38,7 +38,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both budgets above (tests)
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks; 0 = recompute
     scheduling_policy: Any = "fcfs"  # "fcfs" | "priority" | a SchedulingPolicy instance
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    # auto (triton on CUDA; on CPU the fast path's C++ kernels, else torch) | torch | triton | cpu
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = (
+        "auto"  # auto (bf16 on the CPU fast path, else dtype) | float32 | bfloat16
+    )
     seed: int = 0
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas (needs distributed_executor_backend="ray")
@@ -67,8 +71,10 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.quantization not in (None, "awq"):
             raise ValueError(f"quantization must be None or 'awq', got {self.quantization!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError("attention_backend must be auto, torch or triton")
+        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
+            raise ValueError(
+                f"attention_backend must be auto, torch, triton or cpu, got {self.attention_backend!r}"
+            )
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0 GiB")
         if self.tensor_parallel_size < 1:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .compute_plan import ComputePlan
 from .config import EngineConfig
 from .model_loader import iter_weights
 from .model_runner import ModelRunner, profile_kv_blocks
@@ -59,10 +60,13 @@ class Executor(Protocol):
 class LocalExecutor:
     """The whole model in this process, run eagerly by one ModelRunner."""
 
-    def __init__(self, model: nn.Module, device: torch.device, config: EngineConfig):
+    def __init__(
+        self, model: nn.Module, device: torch.device, config: EngineConfig, plan: ComputePlan
+    ):
         self.model = model
         self.device = device
         self.config = config
+        self.plan = plan
         self.runner: ModelRunner | None = None
 
     def profile_num_blocks(self, per_block: int, tokens: int, block_size: int) -> int:
@@ -71,7 +75,7 @@ class LocalExecutor:
             self.device,
             tokens=tokens,
             block_size=block_size,
-            backend=self.config.attention_backend,
+            backend=self.plan.attention_backend,
             per_block=per_block,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             num_logit_rows=min(tokens, self.config.max_num_seqs),
@@ -83,8 +87,9 @@ class LocalExecutor:
             num_blocks,
             block_size,
             self.device,
-            attention_backend=self.config.attention_backend,
+            attention_backend=self.plan.attention_backend,
             num_swap_blocks=num_swap_blocks,
+            kv_cache_dtype=self.plan.kv_cache_dtype,
         )
 
     def execute(
@@ -110,6 +115,7 @@ def build_executor(
     device: torch.device,
     max_model_len: int,
     make_linear: LinearFactory,
+    plan: ComputePlan,
 ) -> LocalExecutor | Any:
     """Load the weights the way `config` asks: in this process, or split over k ranks."""
     if config.tensor_parallel_size > 1:
@@ -119,6 +125,8 @@ def build_executor(
             config, str(folder), hf_config, model_config, dtype, device, max_model_len,
             make_linear,
         )  # fmt: skip
-    model = build_model(model_config, dtype, device, max_model_len, make_linear=make_linear)
+    model = build_model(
+        model_config, dtype, device, max_model_len, make_linear, fused_cpu=plan.fused_cpu
+    )
     model.load_weights(iter_weights(folder))
-    return LocalExecutor(model.eval(), device, config)
+    return LocalExecutor(model.eval(), device, config, plan)

@@ -7,6 +7,10 @@ undone, and the config.json its metadata describes.
         -> "model.layers.3.post_feedforward_layernorm.weight"
     fix_tensor("gemma2", "blk.3.post_ffw_norm.weight", w, config) -> [(that name, w - 1)]
 
+A tensor is a torch tensor (float GGUF types) or a still-quantized `GGUFTensor`
+(gguf_loader.py: whole rows of llama.cpp blocks); the fix-ups that apply to quantized
+weights move or cut whole rows, so they never dequantize.
+
 What the converter does per architecture (and `fix_tensor` undoes):
 - llama, mistral: q and k rows permuted from rotate-half order into interleaved pairs;
 - gemma2, gemma3: every RMSNorm weight stored as w + 1 (Gemma's norm multiplies by 1 + w);
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 # GGUF tensor name (the part after blk.N.) -> Hugging Face name (after model.layers.N.).
@@ -243,10 +248,11 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
 
 
 def fix_tensor(
-    arch: str, gguf_name: str, tensor: torch.Tensor, config: dict[str, Any]
-) -> list[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) pairs for one dequantized GGUF tensor, with llama.cpp's
-    transformations undone. `config` is the model's config.json as a dict."""
+    arch: str, gguf_name: str, tensor: Any, config: dict[str, Any]
+) -> list[tuple[str, Any]]:
+    """(Hugging Face name, tensor) pairs for one GGUF tensor, with llama.cpp's
+    transformations undone. `tensor`: a torch tensor, or a GGUFTensor of whole quantized
+    rows (a stacked [E, N, K] one as E * N rows). `config`: the model's config.json."""
     name = hf_name(arch, gguf_name)
     if name is None:
         return []
@@ -257,21 +263,43 @@ def fix_tensor(
             heads = config.get("num_key_value_heads") or heads
         tensor = unpermute_rotary(tensor, heads)
     if "norm_minus_one" in spec.fixes and gguf_name.rsplit(".", 1)[0].endswith("norm"):
-        tensor = tensor - 1.0
+        tensor = _dense(tensor) - 1.0
     if "{expert}" in name:  # [E, out, in] -> E tensors [out, in]
-        return [(name.format(expert=e), tensor[e].contiguous()) for e in range(tensor.shape[0])]
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        return [(name.format(expert=e), _expert(tensor, e, experts)) for e in range(experts)]
     return [(name, tensor)]
 
 
-def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _dense(tensor: Any) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dense(torch.float32)
+
+
+def _expert(tensor: Any, expert: int, experts: int) -> Any:
+    if isinstance(tensor, torch.Tensor):
+        if tensor.dim() != 3 or tensor.shape[0] != experts:
+            raise ValueError(
+                f"stacked experts of shape {tuple(tensor.shape)}, not [{experts}, ...]"
+            )
+        return tensor[expert].contiguous()
+    rows = tensor.shape[0] // experts  # a quantized stack: E * N rows
+    return tensor.rows(expert * rows, (expert + 1) * rows)
+
+
+def unpermute_rotary(weight: Any, num_heads: int) -> Any:
     """Undo llama.cpp's q/k permutation: within each head, rows (0, half, 1, half+1, ...)
-    back to (0, 1, ..., half-1, half, ...), the rotate-half order of Hugging Face."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-    )
+    back to (0, 1, ..., half-1, half, ...), the rotate-half order of Hugging Face. A
+    quantized weight moves whole rows of blocks: nothing is dequantized."""
+    order = unpermute_order(weight.shape[0], num_heads)
+    if isinstance(weight, torch.Tensor):
+        return weight[torch.from_numpy(order)]
+    return weight.permute_rows(order)
+
+
+def unpermute_order(rows: int, num_heads: int) -> np.ndarray:
+    """Row order that turns llama.cpp's interleaved rotary layout back into the halves
+    layout: in each head, rows (0, 2, 4, ..., 1, 3, 5, ...)."""
+    half = rows // num_heads // 2
+    return np.arange(rows).reshape(num_heads, half, 2).transpose(0, 2, 1).reshape(-1)
 
 
 def hf_config(

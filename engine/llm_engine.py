@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .compute_plan import choose_plan
 from .config import EngineConfig, GiB
 from .detokenizer import IncrementalDetokenizer
 from .executor import build_executor
@@ -38,13 +39,6 @@ from .tool_formats import ToolCallFormat, tool_format_for
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 _DEFAULT_CPU_KV_BYTES = 1 * GiB
 _DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -59,7 +53,16 @@ class LLMEngine:
         self.model_folder = source.folder
         hf_config = read_config(source.folder)
         self.model_config = ModelConfig.from_hf_dict(hf_config)
-        self.dtype = self._resolve_dtype(hf_config)
+        self.plan = choose_plan(
+            self.device,
+            config.dtype,
+            config.kv_cache_dtype,
+            config.attention_backend,
+            hf_config,
+            self.model_config.torch_dtype,
+            config.tensor_parallel_size,
+        )
+        self.dtype = self.plan.dtype
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
         self.eos_token_ids = self._eos_token_ids(source.folder)
@@ -72,6 +75,7 @@ class LLMEngine:
             self.device,
             self.max_model_len,
             self._linear_factory(hf_config, source.folder),
+            self.plan,
         )
         self.model = self.executor.model  # this process's model (rank 0's shard under TP)
         self.vocab_size = self.model_config.vocab_size
@@ -89,7 +93,7 @@ class LLMEngine:
                 f"must be >= max_model_len ({self.max_model_len}) so every prompt fits in a step"
             )
         self.num_blocks = self._determine_num_blocks(block_size)
-        bytes_per_block = kv_bytes_per_block(self.model, block_size, self.dtype)
+        bytes_per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
         num_swap_blocks = int(config.swap_space * GiB) // bytes_per_block
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self.kv_manager = KVCacheManager(
@@ -117,7 +121,7 @@ class LLMEngine:
         logger.info(
             "loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
             self.model_name,
-            self.dtype,
+            self.plan.describe(),
             self.device,
             self.load_time,
             self.num_blocks,
@@ -127,21 +131,6 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------ model setup
-    def _resolve_dtype(self, hf_config: dict[str, Any]) -> torch.dtype:
-        if self.config.dtype != "auto":
-            return _DTYPES[self.config.dtype]
-        is_awq = (hf_config.get("quantization_config") or {}).get("quant_method") == "awq"
-        if self.device.type == "cpu":
-            # AWQ on CPU runs torch's int4 matmul, vectorised for bf16 activations only
-            # (measured: 19.9 tok/s in bf16 against 3.0 in fp32 on an AVX512 CPU).
-            if is_awq and "AVX512" in torch.backends.cpu.get_cpu_capability():
-                return torch.bfloat16
-            return torch.float32  # bf16/fp16 matmuls are slower than fp32 on most CPUs
-        if is_awq:
-            return torch.float16
-        declared = self.model_config.torch_dtype
-        return torch.float16 if declared == "float16" else torch.bfloat16
-
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:
@@ -165,21 +154,26 @@ class LLMEngine:
 
     def _linear_factory(self, hf_config: dict[str, Any], folder: Path) -> LinearFactory:
         method = (hf_config.get("quantization_config") or {}).get("quant_method")
-        if method in (None, "gguf"):  # GGUF weights were dequantized at conversion
+        if method in (None, "gguf"):  # GGUF blocks reach the linears as they are
             if self.config.quantization == "awq":
                 raise ValueError(
                     "quantization='awq' needs an AWQ checkpoint (quantization_config.quant_method "
                     "'awq' in config.json); make one with `pagedllm quantize`"
                 )
+            if self.plan.fused_cpu:
+                from ..quant.packed_linear import packed_linear
+
+                return packed_linear
             return dense_linear
         if method == "awq":
             from ..quant.awq_linear import awq_linear_factory
 
-            return awq_linear_factory(hf_config["quantization_config"], folder)
+            kernel = "packed" if self.plan.fused_cpu else "auto"
+            return awq_linear_factory(hf_config["quantization_config"], folder, kernel)
         raise ValueError(f"unsupported quantization method {method!r} (pagedllm runs AWQ)")
 
     def _determine_num_blocks(self, block_size: int) -> int:
-        per_block = kv_bytes_per_block(self.model, block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":

@@ -14,8 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import gguf_arch
+from .gguf_loader import gguf_to_hf_folder, is_gguf_folder, iter_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -116,127 +114,22 @@ def _from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> P
         ) from error
 
 
-# ---------------------------------------------------------------- GGUF files
-# The conversion's version: bumped whenever a converted folder would come out different, so
-# folders converted by an older pagedllm are not reused.
-_GGUF_CONVERSION_VERSION = "v2"
-
-
-def gguf_to_hf_folder(path: Path) -> Path:
-    """Convert a GGUF file into a cached Hugging Face folder (done once per file version)."""
-    import xxhash
-
-    stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_GGUF_CONVERSION_VERSION}"
-    key = xxhash.xxh64_hexdigest(identity.encode())
-    target = cache_dir() / "gguf" / f"{path.stem}-{key}"
-    if (target / "model.safetensors").exists():
-        return target
-    logger.info("converting %s to a Hugging Face folder at %s (once)", path, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        _write_gguf_as_hf(path, tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _write_gguf_as_hf(path: Path, out: Path) -> None:
-    """config.json, tokenizer files and one float32 model.safetensors from a GGUF file.
-
-    Names, layouts and config fields per architecture come from `gguf_arch.py`; transformers
-    reads the tokenizer (and, for the Llama-family architectures, the config).
-    """
-    import gguf
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-        arch = str(reader.fields["general.architecture"].contents())
-    except Exception as error:
-        raise ValueError(f"{path} could not be read as a GGUF file: {error}") from error
-    spec = gguf_arch.gguf_arch(arch)  # ValueError for an architecture pagedllm does not run
-    metadata = _gguf_metadata(reader, arch)
-    shapes: dict[str, Any] = {
-        t.name: {"shape": [int(n) for n in reversed(t.shape.tolist())]} for t in reader.tensors
-    }
-    for t in reader.tensors:  # the small tensors some configs are made of (rope factors)
-        if t.name.startswith(("rope_factors_", "rope_freqs")):
-            values = dequantize(t.data, t.tensor_type).reshape(-1)
-            shapes[t.name]["values"] = [float(v) for v in values]
-    folder, name = str(path.parent), path.name
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        config = gguf_arch.hf_config(arch, metadata, shapes)
-        if config is None:
-            hf = AutoConfig.from_pretrained(folder, gguf_file=name)
-            hf.architectures = [spec.hf_architecture]
-            config = hf.to_dict()
-    except ValueError:
-        raise
-    except Exception as error:
-        raise ValueError(f"{path} could not be read as a GGUF model: {error}") from error
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        values = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
-        for hf_name, fixed in gguf_arch.fix_tensor(arch, tensor.name, values, config):
-            tensors[hf_name] = fixed.contiguous()
-    if config.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=_json_default) + "\n")
-    tokenizer.save_pretrained(str(out))
-    vocabulary = reader.fields.get("tokenizer.ggml.model")
-    if vocabulary is not None and str(vocabulary.contents()) == "gpt2":
-        _load_tokenizer_as_saved(out)
-
-
-def _load_tokenizer_as_saved(folder: Path) -> None:
-    """Have the converted folder's byte-level BPE tokenizer reload exactly as tokenizer.json
-    describes it. transformers names the architecture's own tokenizer class (GemmaTokenizer
-    for a gemma file, say), and those classes rebuild their sentencepiece-style pipeline on
-    load, which mangles a byte-level vocabulary (Phi-4-mini's, for one)."""
-    path = folder / "tokenizer_config.json"
-    settings = json.loads(path.read_text())
-    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
-    path.write_text(json.dumps(settings, indent=2) + "\n")
-
-
-def _gguf_metadata(reader: Any, arch: str) -> dict[str, Any]:
-    """The `<arch>.*` keys (prefix dropped) and the tokenizer's special token ids."""
-    metadata: dict[str, Any] = {}
-    prefix = f"{arch}."
-    wanted = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
-    for key, field in reader.fields.items():
-        if key.startswith(prefix):
-            metadata[key[len(prefix) :]] = field.contents()
-        elif key in wanted:
-            metadata[key] = field.contents()
-    return metadata
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
 # ------------------------------------------------------- Hugging Face folders
 def read_config(folder: Path) -> dict[str, Any]:
     with open(folder / "config.json") as f:
         return json.load(f)
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of a folder: safetensors shards, else .bin files."""
+def iter_weights(folder: Path) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor of a folder: safetensors shards, else .bin files.
+
+    A folder made from a GGUF file holds no weights: they are read from the GGUF file,
+    and its quantized tensors come as `GGUFTensor`s (still packed; see gguf_loader.py)."""
     from safetensors import safe_open
 
+    if is_gguf_folder(folder):
+        yield from iter_gguf_weights(folder)
+        return
     files = sorted(glob.glob(str(folder / "*.safetensors")))
     index = folder / "model.safetensors.index.json"
     if index.exists():

@@ -67,6 +67,24 @@ def profile_kv_blocks(
     return max(int((total * gpu_memory_utilization - peak) // per_block), 0)
 
 
+def kv_cache_shapes(
+    attention_backend: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's key and value caches.
+
+    torch / Triton:  k, v [num_blocks, block_size, Hkv, D]
+    cpu (the fast path's C++ kernels): k [num_blocks, Hkv, D, block_size] (keys transposed),
+                                       v [num_blocks, Hkv, block_size, D]
+    """
+    if attention_backend == "cpu":
+        return (
+            (num_blocks, num_kv_heads, head_dim, block_size),
+            (num_blocks, num_kv_heads, block_size, head_dim),
+        )
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return shape, shape
+
+
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
     element = torch.tensor([], dtype=dtype).element_size()
@@ -82,27 +100,30 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "auto",
         num_swap_blocks: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         cfg = model.config
+        kv_dtype = kv_cache_dtype or model.dtype
         self.model = model
         self.block_size = block_size
         self.device = device
         self.backend = attention_backend
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # One (key, value) pair of [num_blocks, block_size, Hkv, D] tensors per layer.
+        k_shape, v_shape = kv_cache_shapes(
+            attention_backend, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim
+        )
+        # One (key, value) pair of tensors per layer; blocks along dim 0 in every layout.
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=model.dtype, device=device),
-                torch.zeros(shape, dtype=model.dtype, device=device),
+                torch.zeros(k_shape, dtype=kv_dtype, device=device),
+                torch.zeros(v_shape, dtype=kv_dtype, device=device),
             )
             for _ in range(cfg.num_layers)
         ]
-        host_shape = (num_swap_blocks, *shape[1:])
         pin = device.type == "cuda"
         self.swap_space = [
             (
-                torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin),
-                torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin),
+                torch.zeros((num_swap_blocks, *k_shape[1:]), dtype=kv_dtype, pin_memory=pin),
+                torch.zeros((num_swap_blocks, *v_shape[1:]), dtype=kv_dtype, pin_memory=pin),
             )
             for _ in range(cfg.num_layers if num_swap_blocks else 0)
         ]

@@ -2,6 +2,8 @@
 
 `backend="triton"` forces Triton on any device; with TRITON_INTERPRET=1 set before
 triton is imported, that runs the kernels on CPU through Triton's interpreter (tests).
+`backend="cpu"` is the CPU fast path: the C++ kernels of kernels/csrc/ for the cache writes
+and for attention (every row reads the paged cache in place).
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ import torch
 
 from . import reference
 
+BACKENDS = ("auto", "torch", "triton", "cpu")
+
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """'auto' means Triton for CUDA tensors and the torch reference for everything else."""
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"attention backend must be auto, torch or triton, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     return backend
 
 
@@ -29,10 +33,13 @@ def reshape_and_cache(
     backend: str = "auto",
 ) -> None:
     """Write the new keys and values of a step into their cache slots (slot -1 is skipped)."""
-    if resolve_backend(backend, k.device) == "triton":
+    resolved = resolve_backend(backend, k.device)
+    if resolved == "triton":
         from .reshape_and_cache_triton import reshape_and_cache_triton
 
         reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    elif resolved == "cpu":
+        torch.ops.pagedllm.write_kv_cache_(k, v, k_cache, v_cache, slot_mapping)
     else:
         reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
 
@@ -61,7 +68,13 @@ def paged_attention(
     `scale` is the family's (head_dim^-1/2, or Gemma's query_pre_attn_scalar^-1/2);
     `sliding_window` and `logits_soft_cap` are per layer (None: none).
     """
-    if resolve_backend(backend, q.device) == "triton":
+    resolved = resolve_backend(backend, q.device)
+    if resolved == "cpu":
+        return _cpu_paged_attention(
+            q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale,
+            sliding_window, logits_soft_cap,
+        )  # fmt: skip
+    if resolved == "triton":
         from .paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(
@@ -92,3 +105,17 @@ def paged_attention(
         v_new=v_new,
         logits_soft_cap=logits_soft_cap,
     )
+
+
+def _cpu_paged_attention(
+    q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window,
+    soft_cap=None,
+) -> torch.Tensor:  # fmt: skip
+    """Every row through the C++ kernel, which reads the paged cache in place (and computes
+    a row the same way whatever shares its step: see kernels/csrc/attention.cpp)."""
+    seq_ids = torch.arange(seq_lens.shape[0])
+    torch.ops.pagedllm.paged_attention_rows_(
+        q, k_cache, v_cache, out, seq_ids, cu_seqlens_q, seq_lens, block_tables, scale,
+        sliding_window or 0, soft_cap or 0.0,
+    )  # fmt: skip
+    return out

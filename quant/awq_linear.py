@@ -7,7 +7,10 @@ shard are concatenated along N (qweight/qzeros in units of 8 columns, scales per
 
 Kernels:
 - CUDA: Triton (fused dequant-GEMM for few tokens, dequantize + matmul for many).
-- CPU: torch's native int4 matmul (`aten._weight_int4pack_mm_for_cpu`) when the shape allows
+- CPU fast path (`cpu_kernel="packed"`): the checkpoint is repacked once into the U4 format
+  of quant/packed.py (exactly: scale s, min -z*s per group) and run by the C++ kernels, as
+  GGUF 4-bit weights are.
+- CPU otherwise: torch's native int4 matmul (`aten._weight_int4pack_mm_for_cpu`) when the shape allows
   it (N % 16 == 0, G in 32/64/128/256), else a tile-wise dequantize + matmul that never holds
   more than a few groups of rows in full precision.
 """
@@ -69,8 +72,12 @@ class AWQLinear(nn.Module):
         bad = [n for n in output_sizes if n % PACK]
         if bad:
             raise ValueError(f"AWQ needs output sizes that are multiples of 8, got {bad}")
-        if cpu_kernel not in ("auto", "int4pack", "tiles"):
-            raise ValueError(f"cpu_kernel must be auto, int4pack or tiles, got {cpu_kernel!r}")
+        if cpu_kernel not in ("auto", "int4pack", "tiles", "packed"):
+            raise ValueError(
+                f"cpu_kernel must be auto, int4pack, tiles or packed, got {cpu_kernel!r}"
+            )
+        if cpu_kernel == "packed" and group % 32:
+            raise ValueError(f"the packed CPU kernels need AWQ groups of 32k, got {group}")
         self.in_features = in_features
         self.group_size = group
         self.output_sizes = list(output_sizes)
@@ -95,6 +102,7 @@ class AWQLinear(nn.Module):
         self.cpu_kernel = (
             ("int4pack" if native_ok else "tiles") if cpu_kernel == "auto" else cpu_kernel
         )
+        self._packed = None  # PackedWeight, on the "packed" path
         self._pending = {(part, s) for part in _AWQ_PARTS for s in range(len(output_sizes))}
         self._int4pack: torch.Tensor | None = None  # uint8 [N, K/2] (torch's own layout)
         self._scales_zeros: torch.Tensor | None = None  # float32 [K/G, N, 2]
@@ -119,12 +127,18 @@ class AWQLinear(nn.Module):
             target = self.qweight if suffix == "qweight" else self.qzeros
             _copy(target[:, start // PACK : end // PACK], tensor, f"{suffix} shard {shard}")
         self._pending.discard((suffix, shard))
-        if (
-            not self._pending
-            and self.qweight.device.type == "cpu"
-            and self.cpu_kernel == "int4pack"
-        ):
-            self._repack_for_cpu()
+        if not self._pending and self.qweight.device.type == "cpu":
+            if self.cpu_kernel == "int4pack":
+                self._repack_for_cpu()
+            elif self.cpu_kernel == "packed":
+                self._packed = awq_to_packed(
+                    self.qweight, self.qzeros, self.scales, self.group_size
+                ).compact()
+                self.qweight = None
+                self.qzeros = None
+                self.scales = None
+                if self.bias is not None:
+                    self.bias = self.bias.float()
 
     def _repack_for_cpu(self) -> None:
         codes = unpack_int4(self.qweight).t().contiguous()  # [N, K]
@@ -146,7 +160,8 @@ class AWQLinear(nn.Module):
         """Bytes held for the weight (packed codes, zeros, scales, bias)."""
         held = [self.qweight, self.qzeros, self.scales, self.bias, self._int4pack]
         held.append(self._scales_zeros)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        packed = self._packed.nbytes if self._packed is not None else 0
+        return packed + sum(t.numel() * t.element_size() for t in held if t is not None)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +169,11 @@ class AWQLinear(nn.Module):
         if self._pending:
             missing = sorted({part for part, _ in self._pending})
             raise ValueError(f"AWQ layer used before its checkpoint tensors {missing} were loaded")
-        if x.device.type == "cuda":
+        if self._packed is not None:
+            from .packed_linear import packed_matmul
+
+            out = packed_matmul(x.float(), self._packed)
+        elif x.device.type == "cuda":
             from .awq_triton import awq_linear_triton
 
             out = awq_linear_triton(x, self.qweight, self.qzeros, self.scales, self.group_size)
@@ -184,6 +203,26 @@ class AWQLinear(nn.Module):
             )  # [k1 - k0, N]
             out.addmm_(x32[:, k0:k1], w)
         return out.to(x.dtype)
+
+
+def awq_to_packed(
+    qweight: torch.Tensor,  # int32 [K, N/8]
+    qzeros: torch.Tensor,  # int32 [K/G, N/8]
+    scales: torch.Tensor,  # float16 [K/G, N]
+    group_size: int,
+):
+    """AWQ's w = (q - z) * s as the U4 format's w = s * q + m with m = -z * s (exact in
+    float32), on [N, K] rows, each AWQ group of G split into G / 32 groups of 32."""
+    from .packed import U4_GROUP, PackedWeight, pack_u4
+
+    codes = unpack_int4(qweight).t().contiguous()  # [N, K]
+    n, k = codes.shape
+    s = scales.to(torch.float32).t()  # [N, K/G]
+    z = unpack_int4(qzeros).to(torch.float32).t()  # [N, K/G]
+    repeat = group_size // U4_GROUP
+    scale = s.repeat_interleave(repeat, dim=1).contiguous()
+    mins = (-z * s).repeat_interleave(repeat, dim=1).contiguous()
+    return PackedWeight("u4", pack_u4(codes), scale, mins, U4_GROUP, (n, k))
 
 
 class MixedStackedLinear(nn.Module):
@@ -255,15 +294,23 @@ def awq_linear_factory(
     ) -> nn.Module:
         quantized = [is_quantized(prefix) for prefix in prefixes]
         group = config.group_size_for(in_features)
+
+        def dense(sizes: list[int]) -> nn.Module:
+            if cpu_kernel == "packed":  # the fast path holds unquantized shards in bf16
+                from .packed_linear import PackedStackedLinear
+
+                return PackedStackedLinear(in_features, sizes, bias)
+            return StackedLinear(in_features, sizes, bias, dtype, device)
+
         if all(quantized):
             return AWQLinear(in_features, output_sizes, bias, group, dtype, device, cpu_kernel)
         if not any(quantized):
-            return StackedLinear(in_features, output_sizes, bias, dtype, device)
+            return dense(output_sizes)
         logger.info("mixed AWQ / dense stack %s", prefixes)
         parts: list[nn.Module] = [
             AWQLinear(in_features, [size], bias, group, dtype, device, cpu_kernel)
             if is_q
-            else StackedLinear(in_features, [size], bias, dtype, device)
+            else dense([size])
             for size, is_q in zip(output_sizes, quantized)
         ]
         return MixedStackedLinear(parts)

@@ -50,10 +50,12 @@ QUANTIZABLE_ARCHITECTURES = (
 
 def load_float_model(folder: Path):
     """transformers' own implementation of the model, in float32 (the calibration vehicle)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from ..engine.gguf_loader import load_with_transformers
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = load_with_transformers(folder, dtype=torch.float32)
     return model.eval(), tokenizer
 
 

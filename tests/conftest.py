@@ -14,6 +14,8 @@ try:
 except ImportError:  # pragma: no cover
     pass
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The scheduler asserts its invariants after every step in the tests (off in production).
+os.environ.setdefault("PAGEDLLM_CHECK_INVARIANTS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
@@ -34,10 +36,22 @@ def default_model_folder() -> Path:
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """One LLM on the embedded default model, shared by every test that needs it."""
+    """One LLM on the embedded default model with the default settings (on a CPU with bf16
+    instructions: the fast path), shared by every test that needs it."""
     from pagedllm_integrations import LLM
 
     llm = LLM(disable_log_stats=True, max_model_len=2048, max_num_seqs=32)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def default_llm_f32():
+    """The embedded default model on the float32 reference path: what parity with
+    transformers is measured on."""
+    from pagedllm_integrations import LLM
+
+    llm = LLM(disable_log_stats=True, max_model_len=2048, max_num_seqs=32, dtype="float32")
     yield llm
     llm.shutdown()
 

@@ -46,8 +46,12 @@ def _rope(config: dict) -> dict:
     return params
 
 
-def write_gguf(folder: Path, out: Path) -> Path:
+def write_gguf(folder: Path, out: Path, quantize: str | None = None) -> Path:
+    """quantize: None (every tensor F32) or a GGML type name ("Q8_0"): the linear weights
+    (matrices and stacked experts, not norms, embeddings or the router) in that type, as
+    llama-quantize leaves them."""
     import gguf
+    from gguf.quants import quantize as quantize_array
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
@@ -121,8 +125,14 @@ def write_gguf(folder: Path, out: Path) -> Path:
             f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",)
         )
         extra[gguf_name] = stacked.numpy()
+    qtype = getattr(gguf.GGMLQuantizationType, quantize) if quantize else None
     for gguf_name, array in extra.items():
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        array = np.ascontiguousarray(array)
+        linear = array.ndim >= 2 and gguf_name.startswith("blk.") and "gate_inp" not in gguf_name
+        if qtype is not None and linear:
+            writer.add_tensor(gguf_name, quantize_array(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

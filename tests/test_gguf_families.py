@@ -73,7 +73,7 @@ def test_gguf_of_each_family_gives_transformers_tokens(kind, tmp_path):
 def test_gguf_tables_name_and_fix_tensors():
     import torch
 
-    config = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 3}
     w = torch.arange(6.0)
     [(name, fixed)] = gguf_arch.fix_tensor("gemma3", "blk.2.attn_q_norm.weight", w, config)
     assert name == "model.layers.2.self_attn.q_norm.weight" and torch.equal(fixed, w - 1)
@@ -97,6 +97,19 @@ def test_gguf_tables_name_and_fix_tensors():
     q = torch.randn(16, 4)  # 4 heads of 4 rows: the permutation moves rows
     assert torch.equal(gguf_arch.fix_tensor("qwen3", "blk.0.attn_q.weight", q, config)[0][1], q)
     assert not torch.equal(gguf_arch.fix_tensor("llama", "blk.0.attn_q.weight", q, config)[0][1], q)
+    # Quantized weights (whole rows of blocks) are cut per expert and unpermuted by rows.
+    import numpy as np
+
+    from pagedllm_integrations.engine.gguf_loader import GGUFTensor
+
+    packed = GGUFTensor("Q8_0", np.arange(15 * 34, dtype=np.uint8).reshape(15, 34), (15, 32))
+    pieces = gguf_arch.fix_tensor("qwen3moe", "blk.0.ffn_up_exps.weight", packed, config)
+    assert [p.shape for _, p in pieces] == [(5, 32)] * 3
+    assert np.array_equal(pieces[2][1].data, packed.data[10:15])
+    rows = GGUFTensor("Q8_0", np.arange(16 * 34, dtype=np.uint8).reshape(16, 34), (16, 32))
+    [(_, moved)] = gguf_arch.fix_tensor("llama", "blk.0.attn_q.weight", rows, config)
+    dense_moved = gguf_arch.unpermute_rotary(torch.arange(16.0)[:, None], 4)[:, 0].long()
+    assert np.array_equal(moved.data, rows.data[dense_moved.numpy()])
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'mamba'"):
         gguf_arch.hf_name("mamba", "token_embd.weight")
     with pytest.raises(ValueError, match="not known"):

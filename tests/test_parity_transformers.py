@@ -38,14 +38,14 @@ def hf_greedy(model, tokenizer, prompt: str, max_new: int) -> list[int]:
     return new[: new.index(eos) + 1] if eos in new else new
 
 
-def test_default_model_matches_transformers_batched_and_alone(default_llm, hf_default_model):
+def test_default_model_matches_transformers_batched_and_alone(default_llm_f32, hf_default_model):
     model, tokenizer = hf_default_model
     expected = [hf_greedy(model, tokenizer, p, MAX_NEW) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
-    batched = default_llm.generate(PROMPTS, params, use_tqdm=False)
+    batched = default_llm_f32.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in batched] == expected
     for prompt, want in zip(PROMPTS, expected):
-        alone = default_llm.generate(prompt, params, use_tqdm=False)[0]
+        alone = default_llm_f32.generate(prompt, params, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == want
         assert alone.outputs[0].text == tokenizer.decode(want, skip_special_tokens=True)
 
@@ -79,7 +79,7 @@ def test_other_llama_family_architectures_match_transformers(tiny_llama_factory,
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = [hf_greedy(model, tokenizer, p, 12) for p in PROMPTS[:4]]
-    with LLM(str(folder), disable_log_stats=True) as llm:
+    with LLM(str(folder), disable_log_stats=True, dtype="float32") as llm:
         outputs = llm.generate(
             PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
         )

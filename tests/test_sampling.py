@@ -83,11 +83,11 @@ def test_repetition_penalty_matches_transformers(default_llm, hf_default_model):
     assert ours == hf[: len(ours)]
 
 
-def test_logprobs_match_transformers(default_llm, hf_default_model):
+def test_logprobs_match_transformers(default_llm_f32, hf_default_model):
     model, tokenizer = hf_default_model
     prompt = "The three primary colours are"
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
-    out = default_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    out = default_llm_f32.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     prompt_ids = tokenizer(prompt).input_ids
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + out.token_ids])).logits[0].float()

@@ -80,6 +80,13 @@ def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
     )
 
 
+def _dense(tensor: Any) -> torch.Tensor:
+    """GGUF blocks are dequantized before slicing (ranks run the float path)."""
+    from ..gguf_loader import as_dense
+
+    return as_dense(tensor, torch.float32) if not isinstance(tensor, torch.Tensor) else tensor
+
+
 def _slice(tensor: torch.Tensor, dim: int, rank: int, world: int, what: str) -> torch.Tensor:
     size = tensor.shape[dim]
     if size % world:
@@ -97,7 +104,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.inner, self.rank, self.world = inner, rank, world
 
-    def load(self, suffix: str, tensor: torch.Tensor, shard: int) -> None:
+    def load(self, suffix: str, tensor: Any, shard: int) -> None:
+        tensor = _dense(tensor)
         if suffix not in _OUT_DIM:
             raise ValueError(f"unexpected checkpoint tensor '{suffix}' for a linear layer")
         piece = _slice(tensor, _OUT_DIM[suffix], self.rank, self.world, f"{suffix} shard {shard}")
@@ -117,7 +125,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.inner, self.rank, self.world, self.group = inner, rank, world, group
 
-    def load(self, suffix: str, tensor: torch.Tensor, shard: int) -> None:
+    def load(self, suffix: str, tensor: Any, shard: int) -> None:
+        tensor = _dense(tensor)
         if suffix == "bias":
             if self.rank == 0:
                 self.inner.load(suffix, tensor, shard)

@@ -20,17 +20,31 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
+from ..gguf_loader import as_dense
 from .attention import Attention
 from .config import SLIDING, ModelConfig
-from .layers import GatedMLP, LinearFactory, RMSNorm, RotaryEmbedding, dense_linear, split_fused
+from .layers import (
+    GatedMLP,
+    LinearFactory,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    dense_linear,
+    enable_fused_cpu_kernels,
+    split_fused,
+)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block (Llama, Qwen, Phi): x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block (Llama, Qwen, Phi): x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Layers pass (sub-layer output, residual stream) along instead of their sum, so that the
+    add and the next norm are one step (one fused kernel on the CPU fast path).
+    """
 
     def __init__(self, attn: Attention, mlp: nn.Module, cfg: ModelConfig, dtype, device):
         super().__init__()
@@ -39,9 +53,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (or the embedding)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before x is added
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream it is to be added to)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -56,17 +83,19 @@ class CausalLM(nn.Module):
         device: torch.device,
         max_model_len: int,
         make_linear: LinearFactory = dense_linear,
+        fused_cpu: bool = False,
         embed_scale: float | None = None,
     ):
+        """fused_cpu: the CPU fast path (C++ kernels for norms, rotary, activation and the
+        embedding / head; linears come from `make_linear`, e.g. quant.packed_linear)."""
         super().__init__()
         self.config = cfg
         self.dtype = dtype
         self._factory = make_linear
         self._linears: dict[str, tuple[nn.Module, int]] = {}
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        self.embed_tokens = VocabEmbedding(
+            cfg.vocab_size, cfg.hidden_size, dtype, device, fused_cpu
         )
-        self.embed_tokens.weight.requires_grad_(False)
         # Gemma multiplies embeddings by sqrt(hidden), rounded to the model dtype first.
         self.embed_scale = (
             None if embed_scale is None else torch.tensor(embed_scale, dtype=dtype, device=device)
@@ -79,15 +108,18 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.rms_norm_unit_offset
         )
-        if cfg.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head_weight = nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
-                requires_grad=False,
-            )
+        self.lm_head = LMHead(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype,
+            device,
+            fused_cpu,
+            tied_to=self.embed_tokens if cfg.tie_word_embeddings else None,
+        )
         for param in self.parameters():
             param.requires_grad_(False)
+        if fused_cpu:
+            enable_fused_cpu_kernels(self)
 
     # ------------------------------------------------------------ what families fill in
     def make_layer(
@@ -144,25 +176,26 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
-            x = x * self.embed_scale
+            x = x * self.embed_scale.to(x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, kv_cache, meta, residual)
+        return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32 (soft-capped where the family does)."""
-        logits = F.linear(hidden, self.lm_head_weight)
+        logits = self.lm_head(hidden)  # float32
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
     # --------------------------------------------------------------------- weights
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the model; complain about gaps."""
         params = self._plain_parameters()
-        expected = set(self._linears) | set(params)
+        expected = set(self._linears) | set(params) | {"model.embed_tokens.weight"}
         if not self.config.tie_word_embeddings:
             expected.add("lm_head")
         loaded: set[str] = set()
@@ -182,17 +215,20 @@ class CausalLM(nn.Module):
         linear_params |= {id(b) for module, _ in self._linears.values() for b in module.buffers()}
         plain = {}
         for path, param in self.named_parameters(remove_duplicate=False):
-            if id(param) in linear_params or path == "lm_head_weight":
-                continue
+            if id(param) in linear_params or path.startswith(("embed_tokens.", "lm_head.")):
+                continue  # the embedding and head load through their own `load`
             plain[f"model.{path}"] = param
         return plain
 
     def _load_one(
-        self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], raw: str
+        self, name: str, tensor: Any, params: dict[str, nn.Parameter], raw: str
     ) -> set[str]:
+        if name == "model.embed_tokens.weight":
+            self.embed_tokens.load(tensor)
+            return {name}
         if name == "lm_head.weight":
             if not self.config.tie_word_embeddings:
-                _copy(self.lm_head_weight, tensor, name)
+                self.lm_head.load(tensor)
             return {"lm_head"}
         if name in params:
             _copy(params[name], tensor, name)
@@ -209,7 +245,9 @@ class CausalLM(nn.Module):
                 sizes = [_shard_size(self._linears[part]) for part in parts]
                 for part, piece in zip(parts, split_fused(suffix, tensor, sizes)):
                     module, shard = self._linears[part]
-                    module.load(suffix, piece.contiguous(), shard)  # type: ignore[operator]
+                    if isinstance(piece, torch.Tensor):
+                        piece = piece.contiguous()
+                    module.load(suffix, piece, shard)  # type: ignore[operator]
                 return set(parts)
         raise ValueError(f"unexpected tensor {raw!r} in the checkpoint")
 
@@ -250,7 +288,7 @@ def _shard_size(entry: tuple[nn.Module, int]) -> int:
     return int(sizes[shard])
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
+def _copy(dst: torch.Tensor, src: Any, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
-    dst.data.copy_(src)
+    dst.data.copy_(as_dense(src, dst.dtype))

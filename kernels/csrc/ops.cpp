@@ -1,0 +1,178 @@
+// Fused element-wise kernels of the CPU fast path: RMSNorm (with the residual add),
+// neox rotary embedding in place, gated activations, and KV cache writes.
+
+#include "common.h"
+
+namespace pagedllm {
+namespace {
+
+// --------------------------------------------------------------- RMSNorm
+// One row: out = weight * (x / sqrt(mean(x^2) + eps)), as transformers' float32 RMSNorm.
+inline void rms_norm_row(const float* x, const float* w, float* out, int64_t h, double eps) {
+  double sum = 0.0;  // double: the mean of a few thousand squares, order-insensitive
+  for (int64_t i = 0; i < h; ++i) sum += static_cast<double>(x[i]) * x[i];
+  const float mean = static_cast<float>(sum / static_cast<double>(h));
+  const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+  for (int64_t i = 0; i < h; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// x [T, H] float32, weight [H] float32 -> out [T, H]
+Tensor rms_norm(const Tensor& x_in, const Tensor& weight, double eps) {
+  Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "rms_norm runs on float32");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * h, wp, op + r * h, h, eps);
+  });
+  return out;
+}
+
+// residual += x (in place); returns rms_norm(residual): the pre-norm of the next sub-layer.
+Tensor add_rms_norm(const Tensor& x_in, Tensor& residual, const Tensor& weight, double eps) {
+  Tensor x = x_in.contiguous();
+  TORCH_CHECK(residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+              "residual must be contiguous float32");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* res = rp + r * h;
+      for (int64_t i = 0; i < h; ++i) res[i] += xp[r * h + i];
+      rms_norm_row(res, wp, op + r * h, h, eps);
+    }
+  });
+  return out;
+}
+
+// ----------------------------------------------------------------- rotary
+// Neox rotary (rotate_half) in place on q [T, Hq, D] and k [T, Hkv, D] (views into a
+// [T, (Hq + 2 Hkv) D] qkv row are fine: rows may be strided, heads contiguous),
+// cos/sin [P, D/2] float32 looked up at positions [T].
+void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos,
+                  const Tensor& sin) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat,
+              "rotary runs on float32");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  k.stride(1) == k.size(2),
+              "q and k heads must be contiguous");
+  Tensor pos = positions.to(at::kLong).contiguous();
+  const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2), half = d / 2;
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const int64_t q_stride = q.stride(0), k_stride = k.stride(0);
+  auto rotate = [&](float* x, const float* c, const float* s) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      x[i] = x1 * c[i] - x2 * s[i];
+      x[i + half] = x2 * c[i] + x1 * s[i];
+    }
+  };
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* c = cp + pp[i] * half;
+      const float* s = sp + pp[i] * half;
+      for (int64_t h = 0; h < hq; ++h) rotate(qp + i * q_stride + h * d, c, s);
+      for (int64_t h = 0; h < hk; ++h) rotate(kp + i * k_stride + h * d, c, s);
+    }
+  });
+}
+
+// ------------------------------------------------------------- activation
+// x [T, 2I] = [gate | up] -> silu(gate) * up  [T, I]  (gelu_tanh when `gelu` is set)
+Tensor gated_act(const Tensor& x_in, bool gelu) {
+  Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gated_act runs on float32");
+  const int64_t t = x.size(0), inner = x.size(1) / 2;
+  Tensor out = at::empty({t, inner}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = xp + r * 2 * inner;
+      const float* up = gate + inner;
+      float* o = op + r * inner;
+      if (gelu) {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2/pi)
+        for (int64_t i = 0; i < inner; ++i) {
+          const float g = gate[i];
+          o[i] = 0.5f * g * (1.0f + std::tanh(k0 * (g + k1 * g * g * g))) * up[i];
+        }
+      } else {
+        for (int64_t i = 0; i < inner; ++i) {
+          const float g = gate[i];
+          o[i] = (g / (1.0f + std::exp(-g))) * up[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ----------------------------------------------------------- KV cache write
+template <typename CacheT>
+inline void store(CacheT* dst, float value) {
+  *dst = static_cast<CacheT>(value);
+}
+
+// k, v [T, Hkv, D] float32 (rows may be strided, heads contiguous) into the fast path's
+// cache layout: k_cache [num_blocks, Hkv, D, block_size], v_cache [num_blocks, Hkv,
+// block_size, D] (see attention.cpp). Slot s is block s / block_size, position s % block_size.
+void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
+                     const Tensor& slot_mapping) {
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+                  v.stride(1) == v.size(2),
+              "k and v heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t t = k.size(0), heads = k.size(1), d = k.size(2), bs = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(1) == heads && k_cache.size(2) == d && v_cache.size(2) == bs,
+              "caches must be k [blocks, Hkv, D, block_size] and v [blocks, Hkv, block_size, D]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0), head_stride = d * bs;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k_cache.scalar_type(), "write_kv_cache", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      if (sp[i] < 0) continue;  // padding
+      const int64_t block = sp[i] / bs, offset = sp[i] % bs;
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* kdst = kc + (block * heads + h) * head_stride + offset;
+        scalar_t* vdst = vc + (block * heads + h) * head_stride + offset * d;
+        for (int64_t x = 0; x < d; ++x) {
+          store(kdst + x * bs, kp[i * ks + h * d + x]);
+          store(vdst + x, vp[i * vs + h * d + x]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedllm::rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
+        &pagedllm::add_rms_norm);
+  m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()",
+        &pagedllm::rotary_neox_);
+  m.def("gated_act(Tensor x, bool gelu) -> Tensor", &pagedllm::gated_act);
+  m.def(
+      "write_kv_cache_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()",
+      &pagedllm::write_kv_cache_);
+}

@@ -1,0 +1,180 @@
+"""GGUF (llama.cpp) quantized blocks -> the packed U4 / I8 formats, exactly.
+
+Every row of a GGUF weight [N, K] is a run of blocks along K. Each type maps onto a
+packed format with the values llama.cpp dequantizes it to (see quant/packed.py):
+
+    type   block  bytes  per group                          -> format
+    Q4_0     32     18   w = d * (q - 8),  q 0..15            U4, scale d, min -8d
+    Q4_1     32     20   w = d * q + m                        U4, scale d, min m
+    Q4_K    256    144   8 x 32: w = d*sc_j * q - dmin*m_j    U4, scale d*sc_j, min -dmin*m_j
+    Q5_0     32     22   w = d * (q - 16), q 0..31            I8 g32, q - 16, scale d
+    Q5_1     32     24   w = d * q + m                        I8 g32, scale d, min m
+    Q5_K    256    176   8 x 32: w = d*sc_j * q - dmin*m_j    I8 g32, scale d*sc_j, min -dmin*m_j
+    Q6_K    256    210   16 x 16: w = d*sc_j * (q - 32)       I8 g16, scale d*sc_j
+    Q8_0     32     34   w = d * q, q int8                    I8 g32, scale d
+
+d, m, dmin are fp16; sc_j, m_j are 6-bit integers (K-quants) or int8 (Q6_K): every scale
+and min is exact in float32. Other types (Q2_K, Q3_K, the IQ types) are dequantized once
+to bf16 by the caller (`dequantize_to`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .packed import U4_GROUP, PackedWeight, pack_u4
+
+QK_K = 256
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+_BLOCK = {  # type -> (elements per block, bytes per block)
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q4_K": (256, 144),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "Q8_0": (32, 34),
+}
+
+
+def to_packed(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
+    """Raw blocks (uint8 [N, K / block * bytes]) of a GGUF tensor of logical `shape` (N, K)."""
+    if type_name not in _BLOCK:
+        raise ValueError(f"GGUF type {type_name} has no packed form; dequantize it instead")
+    n, k = shape
+    per_block, nbytes = _BLOCK[type_name]
+    if k % per_block:
+        raise ValueError(f"{type_name} rows of {k} values are not whole blocks of {per_block}")
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n * (k // per_block), nbytes)
+    q, scale, mins, group = _DECODERS[type_name](blocks)
+    # q: [num_blocks, per_block] integer values; scale/mins: [num_blocks, per_block // group]
+    q = q.reshape(n, k)
+    scale_t = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, k // group))
+    mins_t = (
+        None
+        if mins is None
+        else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(n, k // group))
+    )
+    if type_name in ("Q4_0", "Q4_1", "Q4_K"):
+        assert group == U4_GROUP and mins_t is not None
+        return PackedWeight("u4", pack_u4(torch.from_numpy(q)), scale_t, mins_t, group, (n, k))
+    q_t = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)))
+    return PackedWeight("i8", q_t, scale_t, mins_t, group, (n, k))
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 stored in uint8 pairs [B, 2] -> float32 [B]."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32).reshape(-1)
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """Q4_0/Q4_1/Q5 layout: 16 bytes -> 32 values, byte j = q[j] | q[j + 16] << 4."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_0(b: np.ndarray):
+    d = _f16(b[:, 0:2])
+    q = _nibbles_32(b[:, 2:18])
+    return q, d[:, None], (-8.0 * d)[:, None], 32
+
+
+def _q4_1(b: np.ndarray):
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    return _nibbles_32(b[:, 4:20]), d[:, None], m[:, None], 32
+
+
+def _high_bits_32(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: 4 bytes = 32 bits, bit j is the fifth bit of value j."""
+    bits = np.ascontiguousarray(qh).view("<u4").reshape(-1, 1)
+    return ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q5_0(b: np.ndarray):
+    d = _f16(b[:, 0:2])
+    q = _nibbles_32(b[:, 6:22]) | (_high_bits_32(b[:, 2:6]) << 4)
+    return q.astype(np.int16) - 16, d[:, None], None, 32
+
+
+def _q5_1(b: np.ndarray):
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    q = _nibbles_32(b[:, 8:24]) | (_high_bits_32(b[:, 4:8]) << 4)
+    return q, d[:, None], m[:, None], 32
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of a Q4_K / Q5_K super-block, from its 12 bytes:
+    bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the
+    mins likewise, bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K: 128 bytes -> 256 values: chunk c of 32 bytes holds sub-block 2c in its
+    low nibbles and sub-block 2c + 1 in its high nibbles."""
+    chunks = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (chunks & 0x0F).reshape(-1, QK_K)
+
+
+def _q4_k(b: np.ndarray):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return _k_low_nibbles(b[:, 16:144]), d[:, None] * sc, -(dmin[:, None] * mn), 32
+
+
+def _q5_k(b: np.ndarray):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    high = (qh & 1).reshape(-1, QK_K)  # bit j of qh[l] is the fifth bit of sub-block j
+    q = _k_low_nibbles(b[:, 48:176]) | (high << 4)
+    return q, d[:, None] * sc, -(dmin[:, None] * mn), 32
+
+
+def _q6_k(b: np.ndarray):
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    # Each half of 128 values: low nibbles of ql[0:32], ql[32:64], then high nibbles of
+    # both; two high bits each from qh[0:32] at shifts 0, 2, 4, 6.
+    low = ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    low = (low & 0x0F).reshape(-1, 2, 4, 32)
+    high = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = high & 0x03
+    q = (low | (high << 4)).reshape(-1, QK_K).astype(np.int16) - 32
+    return q, d[:, None] * sc, None, 16
+
+
+def _q8_0(b: np.ndarray):
+    d = _f16(b[:, 0:2])
+    q = np.ascontiguousarray(b[:, 2:34]).view(np.int8)
+    return q, d[:, None], None, 32
+
+
+_DECODERS = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q4_K": _q4_k,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "Q8_0": _q8_0,
+}
+
+
+def dequantize_to(
+    type_name: str, data: np.ndarray, shape: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Any GGUF tensor as a dense torch tensor of `dtype` (gguf's own dequantization)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values = dequantize(np.asarray(data), qtype).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)

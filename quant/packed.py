@@ -1,0 +1,171 @@
+"""Packed quantized weights: two exact formats that every GGUF and AWQ type maps onto.
+
+    U4 (4-bit, groups of 32 along K)      w[n, k] = scales[n, g] * q[n, k] + mins[n, g]
+        qweight uint8 [N, K/2]            group g = k // 32 is 16 bytes: byte j holds q[j] in
+                                          its low nibble and q[j + 16] in its high nibble
+        scales, mins float32 [N, K/32]
+    I8 (8-bit, groups of G along K)       w[n, k] = scales[n, g] * q[n, k] (+ mins[n, g])
+        qweight int8 [N, K]
+        scales float32 [N, K/G], mins float32 [N, K/G] or None
+
+The scales and mins are float32 so that every GGUF block type lands here with the exact
+values llama.cpp dequantizes it to (a K-quant's scale is its fp16 super-scale times a 6-bit
+integer: exact in float32, not in fp16 or bf16). The C++ kernels (kernels/csrc/cpu_ops.cpp)
+multiply packed weights directly; `dequantize` is their torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+U4_GROUP = 32
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    """One packed [N, K] weight in the U4 or I8 format (see the module docstring)."""
+
+    kind: str  # "u4" | "i8"
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group: int
+    shape: tuple[int, int]  # (N, K)
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.kind == "u4":
+            assert self.group == U4_GROUP and tuple(self.qweight.shape) == (n, k // 2)
+            assert self.qweight.dtype == torch.uint8 and self.mins is not None
+        elif self.kind == "i8":
+            assert tuple(self.qweight.shape) == (n, k) and self.qweight.dtype == torch.int8
+        else:
+            raise ValueError(f"unknown packed weight kind {self.kind!r}")
+        assert tuple(self.scales.shape) == (n, k // self.group)
+        assert self.scales.dtype in (torch.float32, torch.float16)
+        assert self.mins is None or self.mins.dtype == self.scales.dtype
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.qweight, self.scales] + ([self.mins] if self.mins is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight [N, K]: the reference of the kernels. scale * q + min is computed
+        exactly (float64) and rounded once to float32, as the kernels' fused multiply-add
+        does; GGUF's values are exact in float32 anyway. Then cast to `dtype`."""
+        n, k = self.shape
+        if self.kind == "u4":
+            q = unpack_u4(self.qweight).double()  # [N, K]
+        else:
+            q = self.qweight.double()
+        groups = q.view(n, k // self.group, self.group)
+        w = groups * self.scales.double()[:, :, None]
+        if self.mins is not None:
+            w = w + self.mins.double()[:, :, None]
+        return w.view(n, k).float().to(dtype)
+
+    def compact(self) -> PackedWeight:
+        """Scales and mins stored as float16 when every one of them is exact there (GGUF's
+        own fp16 scales are; a K-quant's products of two are not): 20% fewer bytes to read."""
+        parts = [self.scales] + ([self.mins] if self.mins is not None else [])
+        if self.scales.dtype == torch.float16 or not all(
+            torch.equal(t.half().float(), t) for t in parts
+        ):
+            return self
+        return PackedWeight(
+            self.kind,
+            self.qweight,
+            self.scales.half(),
+            None if self.mins is None else self.mins.half(),
+            self.group,
+            self.shape,
+        )
+
+    def rows(self, start: int, end: int) -> PackedWeight:
+        """Output rows start:end (a tensor-parallel shard, or one of stacked weights)."""
+        return PackedWeight(
+            self.kind,
+            self.qweight[start:end].contiguous(),
+            self.scales[start:end].contiguous(),
+            None if self.mins is None else self.mins[start:end].contiguous(),
+            self.group,
+            (end - start, self.shape[1]),
+        )
+
+    def rows_of(self, ids: torch.Tensor) -> PackedWeight:
+        """The rows `ids` (an embedding lookup), still packed."""
+        return PackedWeight(
+            self.kind,
+            self.qweight[ids],
+            self.scales[ids],
+            None if self.mins is None else self.mins[ids],
+            self.group,
+            (int(ids.numel()), self.shape[1]),
+        )
+
+    def permute_rows(self, order: torch.Tensor) -> PackedWeight:
+        """Rows reordered (undoing llama.cpp's rotary permutation of q and k)."""
+        return PackedWeight(
+            self.kind,
+            self.qweight[order].contiguous(),
+            self.scales[order].contiguous(),
+            None if self.mins is None else self.mins[order].contiguous(),
+            self.group,
+            self.shape,
+        )
+
+
+def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
+    """Stack weights of one format along N (q, k and v into one qkv weight)."""
+    first = weights[0]
+    assert all(w.kind == first.kind and w.group == first.group for w in weights)
+    assert all(w.shape[1] == first.shape[1] for w in weights)
+    assert all((w.mins is None) == (first.mins is None) for w in weights)
+    # Scales of one dtype: float16 only if every part has float16 scales.
+    dtype = (
+        torch.float16 if all(w.scales.dtype == torch.float16 for w in weights) else torch.float32
+    )
+    mins = None
+    if first.mins is not None:
+        mins = torch.cat([w.mins.to(dtype) for w in weights])  # type: ignore[union-attr]
+    return PackedWeight(
+        first.kind,
+        torch.cat([w.qweight for w in weights]),
+        torch.cat([w.scales.to(dtype) for w in weights]),
+        mins,
+        first.group,
+        (sum(w.shape[0] for w in weights), first.shape[1]),
+    )
+
+
+def unpack_u4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] in the U4 nibble order -> uint8 values 0..15 [N, K]."""
+    n, half = qweight.shape
+    blocks = qweight.view(n, half // 16, 16)
+    low, high = blocks & 0x0F, blocks >> 4
+    return torch.cat([low, high], dim=-1).view(n, half * 2)
+
+
+def pack_u4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> uint8 [N, K/2] in the U4 nibble order."""
+    n, k = q.shape
+    groups = q.to(torch.uint8).view(n, k // U4_GROUP, U4_GROUP)
+    return (groups[..., :16] | (groups[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def quantize_u4(weight: torch.Tensor) -> PackedWeight:
+    """Round-to-nearest U4 of a dense [N, K] weight (asymmetric, per group of 32). For tests
+    and for dense checkpoints that ask for packing; GGUF and AWQ files map exactly instead."""
+    n, k = weight.shape
+    if k % U4_GROUP:
+        raise ValueError(f"U4 packing needs K divisible by {U4_GROUP}, got {k}")
+    groups = weight.float().view(n, k // U4_GROUP, U4_GROUP)
+    low = groups.amin(-1)
+    high = groups.amax(-1)
+    scale = (high - low) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round((groups - low[..., None]) / scale[..., None]), 0, 15)
+    return PackedWeight("u4", pack_u4(q.view(n, k)), scale, low, U4_GROUP, (n, k))

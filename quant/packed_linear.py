@@ -1,0 +1,145 @@
+"""The CPU fast path's linear layers: packed quantized or bf16 weights, C++ kernels.
+
+    x [M, K] float32 -> y [M, N] float32
+
+Weights are dequantized exactly and rounded to bf16, activations rounded to bf16, products
+summed in float32 (kernels/csrc/cpu_ops.cpp). Every batch size runs the same arithmetic
+in the same order, so a request's outputs do not depend on what shares its step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..engine.gguf_loader import GGUFTensor
+from .packed import PackedWeight, cat_rows
+
+_EMPTY = torch.empty(0)
+
+
+def packed_matmul(x: torch.Tensor, weight: PackedWeight | torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K]^T -> [M, N] float32.
+
+    weight: a PackedWeight, or a dense bf16 [N, K] tensor."""
+    ops = torch.ops.pagedllm
+    if isinstance(weight, torch.Tensor):
+        return ops.bf16_linear(x, weight)
+    if weight.kind == "u4":
+        return ops.u4_linear(x, weight.qweight, weight.scales, weight.mins)
+    mins = weight.mins if weight.mins is not None else _EMPTY
+    return ops.i8_linear(x, weight.qweight, weight.scales, mins, weight.group)
+
+
+def dequantize_bf16(weight: PackedWeight) -> torch.Tensor:
+    """The bf16 [N, K] values the kernels multiply by."""
+    ops = torch.ops.pagedllm
+    if weight.kind == "u4":
+        return ops.u4_dequant_bf16(weight.qweight, weight.scales, weight.mins)
+    mins = weight.mins if weight.mins is not None else _EMPTY
+    return ops.i8_dequant_bf16(weight.qweight, weight.scales, mins, weight.group)
+
+
+def to_fast_weight(value: torch.Tensor | GGUFTensor) -> PackedWeight | torch.Tensor:
+    """A checkpoint tensor in the form the kernels take: GGUF blocks packed exactly where a
+    packed format exists, everything else a dense bf16 tensor."""
+    from .gguf_blocks import PACKED_TYPES, to_packed
+
+    if isinstance(value, GGUFTensor):
+        if value.type_name in PACKED_TYPES:
+            return to_packed(value.type_name, value.data, value.shape).compact()
+        return value.dense(torch.bfloat16)
+    return value.to(torch.bfloat16).contiguous()
+
+
+class PackedStackedLinear(nn.Module):
+    """y = x W^T + b with W the stack of several checkpoint linears (q, k, v -> qkv), held
+    packed (or bf16) and run by the C++ kernels. Same loading interface as StackedLinear."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.shards: list[PackedWeight | torch.Tensor | None] = [None] * len(output_sizes)
+        self.weight: PackedWeight | torch.Tensor | None = None  # the stack, once complete
+        self.bias = torch.zeros(self.out_features) if bias else None
+        self._offsets = [0]
+        for size in output_sizes:
+            self._offsets.append(self._offsets[-1] + size)
+
+    def load(self, suffix: str, tensor: torch.Tensor | GGUFTensor, shard: int) -> None:
+        start, end = self._offsets[shard], self._offsets[shard + 1]
+        if suffix == "bias" and self.bias is not None:
+            dense = tensor.dense() if isinstance(tensor, GGUFTensor) else tensor
+            if tuple(dense.shape) != (end - start,):
+                raise ValueError(f"bias shard {shard}: shape {tuple(dense.shape)}")
+            self.bias[start:end] = dense.float()
+            return
+        if suffix != "weight":
+            raise ValueError(f"unexpected checkpoint tensor '{suffix}' for a linear layer")
+        expected = (end - start, self.in_features)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"weight shard {shard}: checkpoint shape {tuple(tensor.shape)} != model {expected}"
+            )
+        self.shards[shard] = to_fast_weight(tensor)
+        if all(s is not None for s in self.shards):
+            self.weight = _stack([s for s in self.shards if s is not None])
+            self.shards = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] float32 -> [T, N] float32."""
+        assert self.weight is not None, "linear layer used before its weights were loaded"
+        out = packed_matmul(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+    def weight_bytes(self) -> int:
+        w = self.weight
+        if isinstance(w, PackedWeight):
+            return w.nbytes
+        return 0 if w is None else w.numel() * w.element_size()
+
+
+def _stack(parts: list[PackedWeight | torch.Tensor]) -> PackedWeight | torch.Tensor:
+    """One weight for a stack of shards. Shards of one packed format are concatenated;
+    mixed shards (a Q4_K q next to a Q6_K v, as llama.cpp's Q4_K_M files have) become one
+    I8 weight (U4 values are exact in I8) or, with a dense shard among them, bf16."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, PackedWeight) for p in parts):
+        packed = [p for p in parts if isinstance(p, PackedWeight)]
+        if len({(p.kind, p.group) for p in packed}) == 1:
+            return cat_rows(packed)
+        group = min(p.group for p in packed)
+        return cat_rows([_as_i8(p, group) for p in packed])
+    return torch.cat(
+        [p.dequantize(torch.bfloat16) if isinstance(p, PackedWeight) else p for p in parts]
+    )
+
+
+def _as_i8(weight: PackedWeight, group: int) -> PackedWeight:
+    """The same values in the I8 format with groups of `group` (which divides the weight's)."""
+    from .packed import unpack_u4
+
+    if weight.kind == "i8" and weight.group == group:
+        return weight
+    q = unpack_u4(weight.qweight).to(torch.int8) if weight.kind == "u4" else weight.qweight
+    repeat = weight.group // group
+    scales = weight.scales.repeat_interleave(repeat, dim=1)
+    mins = None if weight.mins is None else weight.mins.repeat_interleave(repeat, dim=1)
+    return PackedWeight("i8", q, scales, mins, group, weight.shape)
+
+
+def packed_linear(
+    in_features: int,
+    output_sizes: list[int],
+    bias: bool,
+    prefixes: list[str],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
+    """The LinearFactory of the CPU fast path (any checkpoint: GGUF, float folders)."""
+    if device.type != "cpu":
+        raise ValueError("packed linears run on the CPU")
+    return PackedStackedLinear(in_features, output_sizes, bias)

@@ -1,0 +1,254 @@
+"""The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) against their torch references.
+
+Linears: the packed kernels equal bf16(x) @ bf16(W)^T summed in float64 up to float32
+rounding, and give bitwise the same rows whatever the batch size. Fused ops: RMSNorm (with
+and without the residual add), rotary, gated activations, KV cache writes and paged
+attention against the torch code they replace, over grids of shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm_integrations.kernels import cpu_ext, reference
+from pagedllm_integrations.quant.packed import PackedWeight, quantize_u4
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ext.load(), reason=f"C++ CPU kernels unavailable: {cpu_ext.load_error()}"
+)
+
+
+def ops():
+    return torch.ops.pagedllm
+
+
+def random_i8(n: int, k: int, group: int, with_mins: bool, seed: int) -> PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, k // group, generator=g) * 0.01
+    mins = torch.randn(n, k // group, generator=g) * 0.01 if with_mins else None
+    return PackedWeight("i8", q, scales, mins, group, (n, k))
+
+
+def weights(n: int, k: int) -> list[PackedWeight]:
+    """U4 with float32 and with float16 scales, I8 in groups of 32 (no mins) and 16 (mins)."""
+    u4 = quantize_u4(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
+    fp16_exact = PackedWeight(
+        "u4", u4.qweight, u4.scales.half().float(), u4.mins.half().float(), 32, (n, k)
+    ).compact()
+    assert fp16_exact.scales.dtype == torch.float16
+    return [u4, fp16_exact, random_i8(n, k, 32, False, 2), random_i8(n, k, 16, True, 3)]
+
+
+@pytest.mark.parametrize("n,k", [(40, 64), (37, 96), (130, 512)])
+def test_packed_linears_match_bf16_math_and_are_batch_invariant(n, k):
+    from pagedllm_integrations.quant.packed_linear import dequantize_bf16, packed_matmul
+
+    x = torch.randn(23, k, generator=torch.Generator().manual_seed(4))
+    for weight in weights(n, k):
+        dense = dequantize_bf16(weight)
+        assert torch.equal(dense, weight.dequantize().to(torch.bfloat16))  # exact, then bf16
+        full = packed_matmul(x, weight)
+        expected = x.bfloat16().double() @ dense.double().t()
+        scale = expected.abs().max().item()
+        assert (full.double() - expected).abs().max().item() <= 2e-6 * scale
+        for m in (1, 2, 3, 4, 5, 8, 9, 17):  # every kernel path: the same bits per row
+            assert torch.equal(packed_matmul(x[:m], weight), full[:m]), (weight.kind, m)
+        # ... and a row's result does not depend on the rows around it
+        assert torch.equal(packed_matmul(x[5:7], weight), full[5:7])
+        # a dense bf16 weight goes through the same recipe
+        assert torch.equal(packed_matmul(x, dense), full)
+
+
+def test_compact_scales_are_float16_only_when_exact():
+    w = quantize_u4(torch.randn(8, 64))
+    assert w.compact().scales.dtype == torch.float32  # arbitrary float32 scales stay
+    exact = PackedWeight(
+        "u4", w.qweight, w.scales.half().float(), w.mins.half().float(), 32, w.shape
+    )
+    small = exact.compact()
+    assert small.scales.dtype == torch.float16
+    assert torch.equal(small.dequantize(), exact.dequantize())
+
+
+def test_i8_embedding_rows_are_exact():
+    for weight in weights(50, 64)[2:]:
+        ids = torch.tensor([0, 7, 49, 7])
+        mins = weight.mins if weight.mins is not None else torch.empty(0)
+        rows = ops().i8_embedding(ids, weight.qweight, weight.scales, mins, weight.group)
+        assert torch.equal(rows, weight.dequantize()[ids])
+    with pytest.raises(RuntimeError, match="outside the table"):
+        ops().i8_embedding(torch.tensor([50]), weight.qweight, weight.scales, mins, weight.group)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 576), (33, 96)])
+def test_rms_norm_and_residual_add(rows, hidden):
+    from pagedllm_integrations.engine.models.layers import RMSNorm
+
+    norm = RMSNorm(hidden, 1e-5, torch.float32, torch.device("cpu"))
+    norm.weight.data.normal_()
+    x, residual = torch.randn(rows, hidden), torch.randn(rows, hidden)
+    torch.testing.assert_close(ops().rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
+    expected_residual = x + residual
+    expected = norm(expected_residual)
+    fused_residual = residual.clone()
+    fused = ops().add_rms_norm(x, fused_residual, norm.weight, 1e-5)
+    assert torch.equal(fused_residual, expected_residual)  # updated in place
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (2, 2, 128)])
+def test_rotary_in_place_on_views_of_a_qkv_row(heads, kv_heads, head_dim):
+    from pagedllm_integrations.engine.models.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, torch.float32, torch.device("cpu"))
+    tokens = 7
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    positions = torch.tensor([0, 5, 63, 1, 2, 30, 30])
+    want_q, want_k = rotary(positions, q.clone(), k.clone())
+    half = head_dim // 2
+    cos = rotary.cos[:, :half].contiguous()
+    sin = rotary.sin[:, :half].contiguous()
+    ops().rotary_neox_(q, k, positions, cos, sin)
+    torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
+
+
+def test_gated_activations():
+    x = torch.randn(6, 2 * 40) * 3
+    gate, up = x.chunk(2, dim=-1)
+    silu = torch.nn.functional.silu(gate) * up
+    gelu = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(ops().gated_act(x, False), silu, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ops().gated_act(x, True), gelu, rtol=1e-5, atol=1e-6)
+
+
+def fast_layout(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """[blocks, block_size, Hkv, D] caches in the fast path's layout: k [blocks, Hkv, D,
+    block_size], v [blocks, Hkv, block_size, D]."""
+    return k_cache.permute(0, 2, 3, 1).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_writes_skip_padding(dtype):
+    want_k = torch.zeros(6, 8, 2, 16, dtype=dtype)
+    want_v = torch.zeros_like(want_k)
+    kv = torch.randn(5, 2 * 2 * 16)
+    k, v = kv[:, :32].view(5, 2, 16), kv[:, 32:].view(5, 2, 16)  # strided rows
+    slots = torch.tensor([3, 17, -1, 40, 0])
+    reference.reshape_and_cache(k, v, want_k, want_v, slots)
+    k_cache, v_cache = fast_layout(torch.zeros_like(want_k), torch.zeros_like(want_v))
+    ops().write_kv_cache_(k, v, k_cache, v_cache, slots)
+    expected_k, expected_v = fast_layout(want_k, want_v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def _attention_float64(q, k_cache, v_cache, cu, lens, tables, scale, window, soft_cap):
+    """Written out one query at a time in float64: the reference of every row."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    for b in range(len(lens)):
+        query_len = cu[b + 1] - cu[b]
+        for j in range(query_len):
+            position = lens[b] - query_len + j
+            first = max(0, position - window + 1) if window else 0
+            keys = range(first, position + 1)
+            slots = [(tables[b][p // block_size], p % block_size) for p in keys]
+            kk = torch.stack([k_cache[blk, off] for blk, off in slots]).double()  # [L, Hkv, D]
+            vv = torch.stack([v_cache[blk, off] for blk, off in slots]).double()
+            for h in range(q.shape[1]):
+                scores = kk[:, h // group] @ q[cu[b] + j, h].double() * scale
+                if soft_cap:
+                    scores = soft_cap * torch.tanh(scores / soft_cap)
+                out[cu[b] + j, h] = torch.softmax(scores, 0) @ vv[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,window",
+    [
+        (4, 4, 16, 8, 0),
+        (4, 2, 32, 16, 0),
+        (9, 3, 64, 16, 0),
+        (6, 2, 16, 8, 11),
+        (2, 1, 128, 16, 0),
+        (6, 2, 32, 24, 40),
+    ],
+)
+def test_paged_attention_rows_read_the_cache_in_place(
+    kv_dtype, heads, kv_heads, head_dim, block_size, window
+):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    lens = [1, 7, 8, 9, 33, 70, 130]  # across block edges and the 64-key chunks
+    query_lens = [1, 1, 3, 1, 2, 1, 5]  # decode rows and short multi-query rows
+    blocks_needed = [math.ceil(n / block_size) for n in lens]
+    perm = torch.randperm(sum(blocks_needed) + 5, generator=g).tolist()
+    tables, at = [], 0
+    for need in blocks_needed:
+        tables.append(perm[at : at + need] + [0] * (max(blocks_needed) - need))
+        at += need
+    num_blocks = len(perm)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], heads, head_dim, generator=g)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    fast_k, fast_v = fast_layout(k_cache, v_cache)
+    for soft_cap in (0.0, 5.0):
+        ops().paged_attention_rows_(
+            q, fast_k, fast_v, out, torch.arange(len(lens)),
+            torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32), scale, window, soft_cap,
+        )  # fmt: skip
+        want = _attention_float64(q, k_cache, v_cache, cu, lens, tables, scale, window, soft_cap)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    # Only the sequences asked for are written.
+    out.fill_(float("nan"))
+    ops().paged_attention_rows_(
+        q, fast_k, fast_v, out, torch.tensor([2]), torch.tensor(cu, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32),
+        scale, window, 0.0,
+    )  # fmt: skip
+    assert not out[cu[2] : cu[3]].isnan().any() and out[: cu[2]].isnan().all()
+
+
+def test_attention_rows_do_not_depend_on_how_the_prompt_was_split():
+    """A row's output is bitwise the same computed in a 70-row prompt, in chunks of any
+    size, or alone as a decode row: what makes chunked prefill, prefix caching, preemption
+    and speculative decoding leave every token unchanged on the fast path."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size, length = 6, 2, 64, 16, 70
+    blocks = torch.randperm(12, generator=g)[:5].to(torch.int32)
+    k_cache, v_cache = fast_layout(
+        torch.randn(12, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16),
+        torch.randn(12, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16),
+    )
+    q = torch.randn(length, heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+
+    def attend(first_row: int, rows: int) -> torch.Tensor:
+        """Rows first_row .. first_row + rows as the query rows of one step."""
+        out = torch.empty(rows, heads, head_dim)
+        ops().paged_attention_rows_(
+            q[first_row : first_row + rows], k_cache, v_cache, out, torch.tensor([0]),
+            torch.tensor([0, rows], dtype=torch.int32),
+            torch.tensor([first_row + rows], dtype=torch.int32), blocks[None], scale, 0, 0.0,
+        )  # fmt: skip
+        return out
+
+    whole = attend(0, length)
+    for cut in (1, 15, 16, 17, 63, 64, 65, 69):
+        assert torch.equal(torch.cat([attend(0, cut), attend(cut, length - cut)]), whole)
+    for row in (0, 5, 63, 64, 69):
+        assert torch.equal(attend(row, 1), whole[row : row + 1])

@@ -1,0 +1,94 @@
+"""GGUF quantized tensors kept quantized: each block type maps exactly onto a packed format.
+
+Small GGUF files are written with the `gguf` package (llama.cpp's own Python library), read
+back through the engine's loader, packed, and compared value for value with gguf's own
+dequantization (the reference llama.cpp's numerics are defined by).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from pagedllm_integrations.engine.gguf_loader import GGUFTensor, _tensor_value, read_gguf
+from pagedllm_integrations.quant.gguf_blocks import _BLOCK, PACKED_TYPES, to_packed
+
+ROWS, COLS = 24, 512
+
+
+def _blocks(type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [ROWS, bytes per row] of valid blocks: quantized by gguf where it can, else
+    random bytes with sane fp16 scales (K-quants: gguf-py dequantizes but does not quantize)."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    try:
+        return quantize(values, qtype)
+    except (NotImplementedError, gguf.quants.QuantError):
+        pass
+    per_block, nbytes = _BLOCK.get(type_name) or (256, gguf.GGML_QUANT_SIZES[qtype][1])
+    raw = rng.integers(0, 256, (ROWS * COLS // per_block, nbytes), dtype=np.uint8)
+    fp16 = lambda n: (rng.random(n) * 0.02 + 1e-3).astype(np.float16).view(np.uint8)  # noqa: E731
+    count = raw.shape[0]
+    if type_name == "Q6_K":
+        raw[:, 208:210] = fp16(count).reshape(-1, 2)
+    elif type_name in ("Q4_K", "Q5_K"):
+        raw[:, 0:4] = fp16(2 * count).reshape(-1, 4)  # d, dmin
+    else:  # Q2_K / Q3_K keep d at the end of the block
+        raw[:, -2:] = fp16(count).reshape(-1, 2)
+        if type_name == "Q2_K":
+            raw[:, -4:-2] = fp16(count).reshape(-1, 2)
+    return raw.reshape(ROWS, -1)
+
+
+def _write_and_read(tmp_path, type_name: str, data: np.ndarray):
+    path = tmp_path / f"{type_name}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_tensor("blk.0.ffn_up.weight", data, raw_dtype=gguf.GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = read_gguf(path).tensors
+    (reference,) = gguf.GGUFReader(str(path)).tensors  # llama.cpp's own reader agrees
+    assert tensor.name == reference.name and tensor.type_name == reference.tensor_type.name
+    assert np.array_equal(
+        np.asarray(tensor.data).reshape(-1), np.asarray(reference.data).reshape(-1)
+    )
+    return _tensor_value(tensor)
+
+
+@pytest.mark.parametrize("type_name", PACKED_TYPES)
+def test_every_packed_gguf_type_is_exact(tmp_path, type_name):
+    rng = np.random.default_rng(sum(map(ord, type_name)))
+    data = _blocks(type_name, rng)
+    value = _write_and_read(tmp_path, type_name, data)
+    assert isinstance(value, GGUFTensor) and value.shape == (ROWS, COLS)
+    reference = dequantize(data, gguf.GGMLQuantizationType[type_name]).reshape(ROWS, COLS)
+    packed = to_packed(value.type_name, value.data, value.shape)
+    expected_kind = "u4" if type_name in ("Q4_0", "Q4_1", "Q4_K") else "i8"
+    assert packed.kind == expected_kind
+    assert torch.equal(packed.dequantize(), torch.from_numpy(reference))
+    compact = packed.compact()  # fp16 scales only where exact: same values either way
+    assert torch.equal(compact.dequantize(), torch.from_numpy(reference))
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+        assert compact.scales.dtype == torch.float16
+    # the loader's float path dequantizes to the same values
+    assert torch.equal(value.dense(), torch.from_numpy(reference))
+    # row permutations (llama.cpp's rotary order undone) move whole rows of blocks
+    order = np.arange(ROWS)[::-1].copy()
+    permuted = to_packed(type_name, value.permute_rows(order).data, value.shape)
+    assert torch.equal(permuted.dequantize(), torch.from_numpy(reference[order]))
+
+
+def test_types_without_a_packed_form_are_dequantized_once_to_bf16(tmp_path):
+    from pagedllm_integrations.quant.packed_linear import to_fast_weight
+
+    data = _blocks("Q3_K", np.random.default_rng(7))
+    value = _write_and_read(tmp_path, "Q3_K", data)
+    dense = to_fast_weight(value)
+    reference = dequantize(data, gguf.GGMLQuantizationType.Q3_K).reshape(ROWS, COLS)
+    assert isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
+    assert torch.equal(dense, torch.from_numpy(reference).to(torch.bfloat16))
