@@ -16,7 +16,8 @@ from torch import nn
 from ...kernels import ops
 from ..attention_metadata import AttentionMetadata
 from .config import ModelConfig
-from .layers import LinearFactory, RMSNorm, RotaryEmbedding
+from .layers import LinearFactory, RMSNorm
+from .rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):

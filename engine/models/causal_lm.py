@@ -31,12 +31,12 @@ from .layers import (
     LinearFactory,
     LMHead,
     RMSNorm,
-    RotaryEmbedding,
     VocabEmbedding,
     dense_linear,
     enable_fused_cpu_kernels,
     split_fused,
 )
+from .rotary import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):

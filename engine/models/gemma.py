@@ -31,7 +31,8 @@ from torch import nn
 from .attention import Attention
 from .causal_lm import CausalLM
 from .config import FULL, SLIDING, ModelConfig, common_fields, rope_settings
-from .layers import GatedMLP, LinearFactory, RMSNorm, RotaryEmbedding, dense_linear
+from .layers import GatedMLP, LinearFactory, RMSNorm, dense_linear
+from .rotary import RotaryEmbedding
 
 # transformers' Gemma2Config / Gemma3TextConfig defaults, for fields a config.json leaves out.
 _GEMMA_COMMON: dict[str, Any] = dict(

@@ -12,9 +12,10 @@ from torch import nn
 from .attention import Attention
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ModelConfig, common_fields
-from .layers import GatedMLP, RotaryEmbedding
+from .layers import GatedMLP
 from .moe import SparseMoE
 from .qwen3 import QWEN3_DEFAULTS, qwen3_layer_types
+from .rotary import RotaryEmbedding
 
 # transformers' Qwen3MoeConfig defaults, for fields a config.json leaves out.
 QWEN3_MOE_DEFAULTS: dict[str, Any] = dict(
