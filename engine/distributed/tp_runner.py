@@ -273,12 +273,12 @@ class TensorParallelExecutor:
             return run()
         except BaseException as error:
             # A collective that failed because a rank died: name the rank, not the socket.
+            # The socket error can arrive before the dying process is reaped (is_alive() is
+            # still True then), so give the monitor, which wakes when a rank exits, up to a
+            # second to record which rank it was, whatever is_alive() says right now.
             deadline = time.monotonic() + 1.0
             while self._dead is None and time.monotonic() < deadline:
-                if any(not p.is_alive() for p in self.processes):
-                    time.sleep(0.05)  # the monitor is about to record which one
-                else:
-                    break
+                time.sleep(0.05)
             self._mark_dead(f"tensor-parallel step failed: {type(error).__name__}: {error}")
             self._teardown()
             raise RuntimeError(
