@@ -116,7 +116,7 @@ def run_pagedllm(engine: AsyncEngine, workload: Workload) -> RunResult:
     ]
     outputs = [s.result() for s in streams]
     seconds = time.perf_counter() - started
-    engine.call(lambda: engine.engine.stat_loggers.remove(watcher))
+    engine.remove_stat_logger(watcher)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.output_tokens, (produced, workload.output_tokens)
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     # OpenMP pool of the other's alive (two pools on a small machine throttle each other).
     try:
         pad_id = engine.tokenizer.pad_token_id or engine.tokenizer.eos_token_id or 0
-        vocab_size = engine.engine.vocab_size
+        vocab_size = engine.model_info.vocab_size
         workloads = [
             make_workload(name, args.num_requests, vocab_size, args.seed)
             for name in args.workloads.split(",")

@@ -8,8 +8,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .async_engine import RequestStream, create_engine
+from .async_engine import RequestStream
 from .config import EngineConfig
+from .factory import create_engine
 from .llm_engine import PromptType
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -58,7 +59,7 @@ class LLM:
         # Only final outputs are needed here: no per-step output objects.
         params_list = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         groups = [
-            self.engine.engine.process_inputs(p, sp, priority=prio)
+            self.engine.process_inputs(p, sp, priority=prio)
             for p, sp, prio in zip(prompt_list, params_list, priorities)
         ]
         done: queue.Queue = queue.Queue()
@@ -109,7 +110,7 @@ class LLM:
             if tools:
                 kwargs["tools"] = tools
             prompts.append(
-                self.engine.engine.apply_chat_template(
+                self.engine.apply_chat_template(
                     list(conversation), add_generation_prompt=add_generation_prompt, **kwargs
                 )
             )

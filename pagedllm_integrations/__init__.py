@@ -8,8 +8,10 @@ LangChain: `pagedllm_integrations.langchain` (PagedLLM, ChatPagedLLM).
 LlamaIndex: `pagedllm_integrations.llama_index` (PagedLlamaIndexLLM).
 """
 
-from .engine.async_engine import AsyncEngine, RequestStream, shared_engine
+from .engine.async_engine import AsyncEngine, RequestStream
+from .engine.client import EngineClient
 from .engine.config import EngineConfig
+from .engine.factory import shared_engine, shutdown_shared_engines
 from .engine.llm import LLM
 from .engine.outputs import CompletionOutput, Logprob, RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -18,6 +20,7 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "CompletionOutput",
+    "EngineClient",
     "EngineConfig",
     "Logprob",
     "RequestOutput",
@@ -26,5 +29,6 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "shared_engine",
+    "shutdown_shared_engines",
 ]
 __version__ = "0.1.0"

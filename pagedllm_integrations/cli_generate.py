@@ -64,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .engine.async_engine import create_engine
     from .engine.config import EngineConfig
+    from .engine.factory import create_engine
     from .engine.sampling_params import RequestOutputKind, SamplingParams
 
     engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             if not line.strip():
                 break
             history.append({"role": "user", "content": line})
-            prompt = engine.engine.apply_chat_template(history)
+            prompt = engine.apply_chat_template(history)
             ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
             reply = _stream(engine, {"prompt_token_ids": ids}, params)
             history.append({"role": "assistant", "content": reply})

@@ -183,7 +183,7 @@ class PagedLLM(EngineOwner, BaseLLM):
         call = self._params(stop, dict(kwargs))
         call.params = call.params.clone(output_kind=kind)
         # Validate every prompt before submitting any: a bad one fails the call, not a half.
-        groups = [engine.engine.process_inputs(p, call.params) for p in prompts]
+        groups = [engine.process_inputs(p, call.params) for p in prompts]
         return engine, groups, call
 
     def _result(self, outputs: list[RequestOutput], call: _Call) -> LLMResult:

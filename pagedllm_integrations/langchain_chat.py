@@ -176,7 +176,7 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         )
         # The template already holds any BOS: no second one from the tokenizer.
         ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
-        group = engine.engine.process_inputs({"prompt_token_ids": ids}, params)
+        group = engine.process_inputs({"prompt_token_ids": ids}, params)
         logprobs = params.logprobs
         return engine, group, _ChatCall(params, tools, logprobs)
 

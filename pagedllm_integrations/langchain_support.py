@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .engine.async_engine import AsyncEngine, shared_engine
+from .engine.async_engine import AsyncEngine
 from .engine.config import EngineConfig
+from .engine.factory import shared_engine
 from .engine.llm_engine import RequestGroup
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams

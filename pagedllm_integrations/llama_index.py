@@ -49,8 +49,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         'PagedLlamaIndexLLM needs llama-index-core: pip install "pagedllm[llama-index]"'
     ) from error
 
-from .engine.async_engine import AsyncEngine, shared_engine
+from .engine.async_engine import AsyncEngine
 from .engine.config import EngineConfig
+from .engine.factory import shared_engine
 from .engine.llm_engine import PromptType
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -240,7 +241,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
 
         def prepare() -> tuple[Any, list[dict] | None]:
             prompt, params, tools = build(*args)
-            return engine.engine.process_inputs(prompt, params), tools
+            return engine.process_inputs(prompt, params), tools
 
         group, tools = await asyncio.to_thread(prepare)
         stream = engine.submit(group, loop=asyncio.get_running_loop())

@@ -74,7 +74,7 @@ def _render(state: ServerState, messages: list[dict], tools: list | None, choice
 
             text = render_chat_prompt(tokenizer, messages, tools=tools, tool_choice=choice)
         else:
-            text = state.engine.engine.apply_chat_template(messages)
+            text = state.engine.apply_chat_template(messages)
     except (TemplateError, TypeError, KeyError, IndexError) as error:
         # A template refusing this conversation (jinja's raise_exception, or a message shape
         # it indexes into): the conversation came from the client.
@@ -113,7 +113,7 @@ async def create_chat_completion(
         body,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        vocab_size=state.engine.engine.vocab_size,
+        vocab_size=state.engine.model_info.vocab_size,
         stream=body.stream,
         structured=structured,
     )

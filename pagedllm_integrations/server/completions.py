@@ -53,7 +53,7 @@ async def create_completion(
         body,
         max_tokens=body.max_tokens,
         logprobs=body.logprobs,
-        vocab_size=state.engine.engine.vocab_size,
+        vocab_size=state.engine.model_info.vocab_size,
         stream=body.stream,
     )
     response_id = new_id("cmpl")
