@@ -35,7 +35,7 @@ def main() -> int:
     engine = AsyncEngine(model=args.model, disable_log_stats=True, max_model_len=2048)
     pad = engine.tokenizer.eos_token_id or 0
     rng = random.Random(0)
-    vocab = engine.engine.vocab_size
+    vocab = engine.model_info.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     levels = [int(x) for x in args.levels.split(",")]
     batches = []

@@ -28,12 +28,11 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from .client import ModelInfo, PromptType, RequestMethods
+from .client import EngineClient
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestGroup
 from .metrics import SchedulerStats
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class RequestStream:
         return outputs[-1]
 
 
-class AsyncEngine(RequestMethods):
+class AsyncEngine(EngineClient):
     """Thread-safe front of one `LLMEngine` (an `EngineClient`); construction loads the model.
 
     `shutdown()` (or leaving a `with` block) ends the engine thread and releases the
@@ -119,23 +118,7 @@ class AsyncEngine(RequestMethods):
         self._dead = False  # the thread raised: nothing restarts it
         self._thread: threading.Thread | None = None  # None while parked (no work)
 
-    # ------------------------------------------------------------------ model
-    @property
-    def model_info(self) -> ModelInfo:
-        return self._inputs.info
-
-    @property
-    def tokenizer(self):
-        return self._inputs.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.model_info.name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.model_info.max_model_len
-
+    # ------------------------------------------------------------------ state
     @property
     def counters(self):
         return self._counters
@@ -144,24 +127,6 @@ class AsyncEngine(RequestMethods):
     def is_running(self) -> bool:
         """True while the engine thread serves requests (not shut down, not dead)."""
         return not (self._stopped or self._dead)
-
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
-        """The model's chat template applied to OpenAI-style messages (text, no tokens)."""
-        return self._inputs.apply_chat_template(messages, add_generation_prompt, **kwargs)
-
-    def process_inputs(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> RequestGroup:
-        """Tokenize and validate a request on the caller's thread (ValueError when bad);
-        hand the result to `submit`."""
-        return self._inputs.process_inputs(prompt, params, request_id, priority, cache_salt)
 
     def add_stat_logger(self, stat_logger) -> None:
         """Register a StatLogger; it is called on the engine thread after every step."""

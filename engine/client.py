@@ -1,10 +1,10 @@
 """The boundary between the front ends and the engine: `EngineClient`.
 
 LangChain, LlamaIndex, the OpenAI server, `LLM` and the CLI talk to an engine only through
-this protocol. Two classes implement it: `AsyncEngine` (one engine in this process, behind
-its thread) and `RayReplicaEngine` (data-parallel replicas on Ray). No front end reaches
-past it into `LLMEngine`, so a replica engine, which has no model in this process, serves
-every front end the same way.
+this interface (an abstract base class). Two classes implement it: `AsyncEngine` (one
+engine in this process, behind its thread) and `RayReplicaEngine` (data-parallel replicas
+on Ray). No front end reaches past it into `LLMEngine`, so a replica engine, which has no
+model in this process, serves every front end the same way.
 
     front end ──> EngineClient ──> AsyncEngine ──> engine thread ──> LLMEngine
                                 └─> RayReplicaEngine ──> Ray actors ──> AsyncEngine each
@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .async_engine import RequestStream
     from .config import EngineConfig
+    from .input_processor import InputProcessor
     from .metrics import SchedulerStats
     from .output_processor import RequestGroup
     from .outputs import RequestOutput
@@ -44,33 +46,40 @@ class ModelInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
-@runtime_checkable
-class EngineClient(Protocol):
-    """Everything a front end may call on an engine, from any thread or event loop."""
+class EngineClient(ABC):
+    """Everything a front end may call on an engine, from any thread or event loop.
+
+    The model facts and request validation come from the implementation's
+    `InputProcessor` (`self._inputs`); add_request / generate / generate_sync / close are
+    built here on its primitives (`submit`, `abort`, `shutdown`), which it implements.
+    """
 
     config: EngineConfig
+    _inputs: InputProcessor
 
-    # ------------------------------------------------------------ the model
+    # -------------------------------------------------------------- the model
     @property
-    def model_info(self) -> ModelInfo: ...
-
-    @property
-    def model_name(self) -> str: ...
-
-    @property
-    def max_model_len(self) -> int: ...
+    def model_info(self) -> ModelInfo:
+        return self._inputs.info
 
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Any:
+        return self._inputs.tokenizer
 
     @property
-    def is_running(self) -> bool: ...
+    def model_name(self) -> str:
+        return self._inputs.info.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._inputs.info.max_model_len
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str: ...
+    ) -> str:
+        """The model's chat template applied to OpenAI-style messages (text, no tokens)."""
+        return self._inputs.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
-    # -------------------------------------------------------------- requests
     def process_inputs(
         self,
         prompt: PromptType,
@@ -78,75 +87,10 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> RequestGroup: ...
-
-    def add_request(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-        sink: queue.Queue | None = None,
-    ) -> RequestStream: ...
-
-    def submit(
-        self,
-        group: RequestGroup,
-        loop: asyncio.AbstractEventLoop | None = None,
-        sink: queue.Queue | None = None,
-    ) -> RequestStream: ...
-
-    def submit_many(
-        self,
-        groups: list[RequestGroup],
-        loop: asyncio.AbstractEventLoop | None = None,
-        sink: queue.Queue | None = None,
-    ) -> list[RequestStream]: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def generate(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
-
-    def generate_sync(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> Iterator[RequestOutput]: ...
-
-    # ----------------------------------------------------------------- state
-    @property
-    def counters(self) -> Any: ...
-
-    def scheduler_stats(self) -> SchedulerStats: ...
-
-    def num_free_blocks(self) -> int: ...
-
-    def num_total_blocks(self) -> int: ...
-
-    def reset_prefix_cache(self) -> bool: ...
-
-    def add_stat_logger(self, stat_logger: Any) -> None: ...
-
-    def remove_stat_logger(self, stat_logger: Any) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-
-class RequestMethods:
-    """add_request / generate / generate_sync built on an engine client's primitives
-    (`process_inputs`, `submit`, `abort`); shared by both implementations."""
+    ) -> RequestGroup:
+        """Tokenize and validate a request on the caller's thread (ValueError when bad);
+        hand the result to `submit`."""
+        return self._inputs.process_inputs(prompt, params, request_id, priority, cache_salt)
 
     def add_request(
         self: Any,
@@ -206,3 +150,59 @@ class RequestMethods:
 
     def __exit__(self: Any, *exc: object) -> None:
         self.shutdown()
+
+    # --------------------------------------------------- what each implements
+    @property
+    @abstractmethod
+    def is_running(self) -> bool:
+        """True while the engine serves requests (not shut down, not dead)."""
+
+    @abstractmethod
+    def submit(
+        self,
+        group: RequestGroup,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> RequestStream:
+        """Submit a request made by `process_inputs`; its outputs come on the stream (an
+        asyncio one when `loop` is given; into `sink` when given)."""
+
+    @abstractmethod
+    def submit_many(
+        self,
+        groups: list[RequestGroup],
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> list[RequestStream]:
+        """Submit requests together, so the scheduler sees them in one step."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End a request from any thread; its stream gets a final 'abort' output."""
+
+    @property
+    @abstractmethod
+    def counters(self) -> Any:
+        """Engine counters (`snapshot()` gives a dict)."""
+
+    @abstractmethod
+    def scheduler_stats(self) -> SchedulerStats: ...
+
+    @abstractmethod
+    def num_free_blocks(self) -> int: ...
+
+    @abstractmethod
+    def num_total_blocks(self) -> int: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def add_stat_logger(self, stat_logger: Any) -> None: ...
+
+    @abstractmethod
+    def remove_stat_logger(self, stat_logger: Any) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop serving and free the model's memory. Idempotent."""

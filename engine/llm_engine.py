@@ -1,8 +1,8 @@
 """The synchronous engine core: add requests, `step()`, read outputs.
 
 It is not thread-safe by design: exactly one thread (the `AsyncEngine`'s engine thread)
-calls `add_group`, `abort_request` and `step`. `process_inputs` is the exception: it
-only tokenizes and validates, so callers run it on their own thread and a bad request
+calls `add_group`, `abort_request` and `step`. Requests are tokenized and validated
+before, on the caller's thread, by `self.inputs` (an `InputProcessor`), so a bad request
 fails there, before it reaches the engine.
 """
 
@@ -30,7 +30,6 @@ from .output_processor import RequestGroup, finished_request_stats, make_request
 from .outputs import Logprob, RequestOutput
 from .request import Request, RequestStatus
 from .sampler import Sampler
-from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -260,22 +259,6 @@ class LLMEngine:
         available = total * self.config.gpu_memory_utilization - peak
         return max(int(available // per_block), 0)
 
-    # ------------------------------------------------------------------ inputs
-    def process_inputs(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> RequestGroup:
-        """Tokenize and validate one request (any thread); see `InputProcessor`."""
-        return self.inputs.process_inputs(prompt, params, request_id, priority, cache_salt)
-
-    @property
-    def structured_outputs(self):
-        return self.inputs.structured_outputs
-
     # ----------------------------------------------------------- request flow
     def add_group(self, group: RequestGroup) -> None:
         if group.request_id in self.groups:
@@ -442,11 +425,6 @@ class LLMEngine:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
-    ) -> str:
-        return self.inputs.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
 
 def _resolve_device(device: str) -> torch.device:

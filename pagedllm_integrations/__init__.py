@@ -6,8 +6,10 @@
 
 LangChain: `pagedllm_integrations.langchain` (PagedLLM, ChatPagedLLM).
 LlamaIndex: `pagedllm_integrations.llama_index` (PagedLlamaIndexLLM).
+`shutdown_shared_engines()` stops every engine the wrappers share and frees its memory.
 """
 
+from .chat.errors import IncompleteOutputError
 from .engine.async_engine import AsyncEngine, RequestStream
 from .engine.client import EngineClient
 from .engine.config import EngineConfig
@@ -22,6 +24,7 @@ __all__ = [
     "CompletionOutput",
     "EngineClient",
     "EngineConfig",
+    "IncompleteOutputError",
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",

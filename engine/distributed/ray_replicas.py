@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from ..async_engine import EngineDeadError, RequestError, RequestStream
-from ..client import ModelInfo, PromptType, RequestMethods
+from ..client import EngineClient, ModelInfo
 from ..config import EngineConfig
 from ..input_processor import InputProcessor
 from ..metrics import SchedulerStats
 from ..output_processor import RequestGroup
-from ..sampling_params import SamplingParams
 from .ray_actor import ReplicaActor, ReplicaFailure
 from .replica_job import ReplicaJob
 from .router import PrefixAwareRouter
@@ -84,7 +83,7 @@ class _Replica:
     info: dict
 
 
-class RayReplicaEngine(RequestMethods):
+class RayReplicaEngine(EngineClient):
     """`config.data_parallel_size` engines as Ray actors, used like one AsyncEngine (an
     `EngineClient`). Requests are validated and tokenized here, on the caller's thread,
     with the model facts a replica reports; the model itself lives only in the replicas."""
@@ -177,38 +176,6 @@ class RayReplicaEngine(RequestMethods):
             info.name,
             sorted({i["host"] for i in infos}),
         )
-
-    # ------------------------------------------------------------------ model
-    @property
-    def model_info(self) -> ModelInfo:
-        return self._inputs.info
-
-    @property
-    def tokenizer(self):
-        return self._inputs.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.model_info.name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.model_info.max_model_len
-
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
-        return self._inputs.apply_chat_template(messages, add_generation_prompt, **kwargs)
-
-    def process_inputs(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> RequestGroup:
-        return self._inputs.process_inputs(prompt, params, request_id, priority, cache_salt)
 
     # ------------------------------------------------------------------ state
     @property
