@@ -271,8 +271,12 @@ def render_chat_prompt(
     tools: list[dict] | None = None,
     tool_choice: str | dict | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text for OpenAI-format chat messages, with the tools described in it."""
+    """The prompt text for OpenAI-format chat messages, with the tools described in it.
+
+    template_kwargs: more variables for the chat template (e.g. enable_thinking).
+    """
     mode = _choice_mode(tool_choice)
     normalized = normalize_tools(tools or []) if mode != "none" else []
     if mode == "named":
@@ -282,16 +286,18 @@ def render_chat_prompt(
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template; cannot render chat messages")
     _check_messages(messages)
+    extra = dict(template_kwargs or {})
     if normalized and _template_takes_tools(tokenizer):
         return tokenizer.apply_chat_template(
             _messages_for_template(messages),
             tools=normalized,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **extra,
         )
     rendered = _messages_as_text(messages, normalized, tool_choice, mode)
     return tokenizer.apply_chat_template(
-        rendered, tokenize=False, add_generation_prompt=add_generation_prompt
+        rendered, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
 
 
