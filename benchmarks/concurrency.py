@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pagedllm_integrations import AsyncEngine, SamplingParams
-from pagedllm_integrations.engine.bench import _hf_generate, load_hf_model
+from pagedllm_integrations.engine.bench import LoadedModel, _hf_generate, load_hf_model
 
 
 def main() -> int:
@@ -35,7 +35,7 @@ def main() -> int:
     engine = AsyncEngine(model=args.model, disable_log_stats=True, max_model_len=2048)
     pad = engine.tokenizer.eos_token_id or 0
     rng = random.Random(0)
-    vocab = engine.engine.vocab_size
+    vocab = engine.model_info.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     levels = [int(x) for x in args.levels.split(",")]
     batches = []
@@ -57,11 +57,12 @@ def main() -> int:
                 "pagedllm_tok_s": level * args.output_tokens / (time.perf_counter() - started),
             }
         )
+    loaded = LoadedModel.of(engine)  # the weights' source: shutdown frees the weights
     engine.shutdown()
     # transformers only once the engine is gone: with both OpenMP pools alive on a small
     # machine, each system's parallel ops throttle the other's.
     if not args.skip_hf:
-        hf = load_hf_model(engine)
+        hf = load_hf_model(loaded)
         for row, prompts in zip(rows, batches):
             seconds = _hf_generate(hf, prompts, args.output_tokens, pad)
             row["transformers_static_tok_s"] = row["concurrency"] * args.output_tokens / seconds

@@ -119,7 +119,7 @@ def main() -> int:
     )
     engine = RayReplicaEngine(config)
     try:
-        requests = make_requests(args, 1000, min(engine.engine.vocab_size, 40000))
+        requests = make_requests(args, 1000, min(engine.model_info.vocab_size, 40000))
         warm = SamplingParams(max_tokens=2)
         for _ in range(2 * args.replicas):
             engine.add_request({"prompt_token_ids": [1000, 1001, 1002]}, warm).result()

@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import gc
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from .client import EngineClient
 from .config import EngineConfig
-from .llm_engine import LLMEngine, PromptType, RequestGroup
+from .llm_engine import LLMEngine, RequestGroup
+from .metrics import SchedulerStats
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +97,20 @@ class RequestStream:
         return outputs[-1]
 
 
-class AsyncEngine:
-    """Thread-safe front of one `LLMEngine`; construction loads the model (in the caller)."""
+class AsyncEngine(EngineClient):
+    """Thread-safe front of one `LLMEngine` (an `EngineClient`); construction loads the model.
+
+    `shutdown()` (or leaving a `with` block) ends the engine thread and releases the
+    weights and the KV cache; the tokenizer and `model_info` stay readable.
+    """
 
     def __init__(self, config: EngineConfig | None = None, **engine_args: Any):
         self.config = config if config is not None else EngineConfig.from_kwargs(**engine_args)
-        self.engine = _load_off_thread(self.config)
+        self.engine: LLMEngine = _load_off_thread(self.config)
+        # What front ends read, kept apart from the engine so it outlives shutdown().
+        self._inputs = self.engine.inputs
+        self._counters = self.engine.counters
+        self._num_blocks = self.engine.num_blocks
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -107,22 +118,10 @@ class AsyncEngine:
         self._dead = False  # the thread raised: nothing restarts it
         self._thread: threading.Thread | None = None  # None while parked (no work)
 
-    # -------------------------------------------------------------- properties
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
+    # ------------------------------------------------------------------ state
     @property
     def counters(self):
-        return self.engine.counters
+        return self._counters
 
     @property
     def is_running(self) -> bool:
@@ -143,27 +142,13 @@ class AsyncEngine:
         self._send("call", remove)
 
     # ---------------------------------------------------------------- requests
-    def add_request(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-        sink: queue.Queue | None = None,
-    ) -> RequestStream:
-        """Submit a request from any thread. Bad input raises ValueError here, in the caller."""
-        group = self.engine.process_inputs(prompt, params, request_id, priority, cache_salt)
-        return self.submit(group, loop=loop, sink=sink)
-
     def submit(
         self,
         group: RequestGroup,
         loop: asyncio.AbstractEventLoop | None = None,
         sink: queue.Queue | None = None,
     ) -> RequestStream:
-        """Submit a request already made by `engine.process_inputs` (validated, tokenized)."""
+        """Submit a request already made by `process_inputs` (validated, tokenized)."""
         return self.submit_many([group], loop=loop, sink=sink)[0]
 
     def submit_many(
@@ -192,41 +177,6 @@ class AsyncEngine:
         """End a request from any thread; its stream gets a final output (finish_reason 'abort')."""
         self._send("abort", request_id)
 
-    async def generate(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs on the running event loop; aborts it if abandoned."""
-        stream = self.add_request(
-            prompt, params, request_id, priority, cache_salt, loop=asyncio.get_running_loop()
-        )
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
-
-    def generate_sync(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Stream a request's outputs on this thread; aborts it if the iterator is dropped."""
-        stream = self.add_request(prompt, params, request_id, priority, cache_salt)
-        try:
-            yield from stream
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
-
     def call(self, fn):
         """Run fn() on the engine thread and return its result (for stats, cache resets)."""
         done: queue.Queue = queue.Queue()
@@ -236,10 +186,19 @@ class AsyncEngine:
     def reset_prefix_cache(self) -> bool:
         return self.call(self.engine.reset_prefix_cache)
 
+    def scheduler_stats(self) -> SchedulerStats:
+        """A snapshot of the scheduler's gauges, taken on the engine thread."""
+        return self.call(self.engine.scheduler_stats)
+
     def num_free_blocks(self) -> int:
         return self.call(lambda: self.engine.kv_manager.pool.num_free_blocks)
 
+    def num_total_blocks(self) -> int:
+        return self._num_blocks
+
     def shutdown(self) -> None:
+        """Stop the engine thread, fail what is in flight, and release the weights and the
+        KV cache (their memory is returned once this returns). Idempotent."""
         with self._lock:
             if self._stopped:
                 return
@@ -250,18 +209,20 @@ class AsyncEngine:
             thread.join(timeout=30)
         else:  # parked: nobody is left to fail the streams
             self._fail_all(EngineDeadError("the engine has been shut down"))
-        self.engine.shutdown()
-
-    def __enter__(self) -> AsyncEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+        engine, self.engine = self.engine, None  # type: ignore[assignment]
+        if engine is not None:
+            engine.shutdown()
+            del engine
+            release_freed_memory()
 
     # ------------------------------------------------------------- the thread
     def _send(self, kind: str, payload: Any) -> None:
         """Queue a command for the engine thread, starting the thread if it is parked."""
         with self._lock:
+            if self._stopped:
+                if kind == "abort":  # a stream ending after shutdown: nothing left to abort
+                    return
+                raise EngineDeadError("the engine has been shut down")
             self._commands.put((kind, payload))
             if self._thread is None and not self._dead:
                 self._thread = threading.Thread(
@@ -389,34 +350,21 @@ def _load_off_thread(config: EngineConfig) -> LLMEngine:
     return result[0]
 
 
-_shared: dict[tuple, AsyncEngine] = {}
-_shared_lock = threading.Lock()
+def release_freed_memory() -> None:
+    """Collect what was just dropped and hand freed heap pages back to the OS.
+
+    glibc keeps freed small and medium allocations in its arenas; malloc_trim returns the
+    free pages, so the resident size of the process drops once an engine is gone.
+    """
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def create_engine(config: EngineConfig) -> AsyncEngine:
-    """A new engine for `config`: in this process, or replicas on Ray when it asks for them."""
-    if config.distributed_executor_backend == "ray":
-        from .distributed.ray_replicas import RayReplicaEngine
+def __getattr__(name: str) -> Any:
+    # The factory moved to engine/factory.py; old imports keep working.
+    if name in ("create_engine", "shared_engine", "shutdown_shared_engines"):
+        from . import factory
 
-        return RayReplicaEngine(config)
-    return AsyncEngine(config)
-
-
-def shared_engine(config: EngineConfig) -> AsyncEngine:
-    """One engine per distinct config in this process: every wrapper with the same settings
-    shares its weights, its batches and its prefix cache. Created on first use."""
-    key = config.cache_key()
-    with _shared_lock:
-        engine = _shared.get(key)
-        if engine is None or not engine.is_running:
-            engine = create_engine(config)
-            _shared[key] = engine
-        return engine
-
-
-def shutdown_shared_engines() -> None:
-    with _shared_lock:
-        engines = list(_shared.values())
-        _shared.clear()
-    for engine in engines:
-        engine.shutdown()
+        return getattr(factory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -116,7 +116,7 @@ def run_pagedllm(engine: AsyncEngine, workload: Workload) -> RunResult:
     ]
     outputs = [s.result() for s in streams]
     seconds = time.perf_counter() - started
-    engine.call(lambda: engine.engine.stat_loggers.remove(watcher))
+    engine.remove_stat_logger(watcher)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.output_tokens, (produced, workload.output_tokens)
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
@@ -217,10 +217,27 @@ def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> Ru
     )
 
 
-def load_hf_model(engine: AsyncEngine):
+@dataclass(slots=True)
+class LoadedModel:
+    """Where the engine's model came from, kept to load it in transformers once the engine
+    is shut down (and its weights freed)."""
+
+    folder: Path
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, engine: AsyncEngine) -> LoadedModel:
+        return cls(engine.engine.model_folder, engine.engine.dtype, engine.engine.device)
+
+
+def load_hf_model(model: LoadedModel | AsyncEngine):
+    """The same weights in transformers (from a running engine or its LoadedModel)."""
     from .gguf_loader import load_with_transformers
 
-    return load_with_transformers(engine.engine.model_folder, dtype=engine.engine.dtype).eval()
+    if isinstance(model, AsyncEngine):
+        model = LoadedModel.of(model)
+    return load_with_transformers(model.folder, dtype=model.dtype).eval()
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> None:
@@ -255,9 +272,10 @@ def run(args: argparse.Namespace) -> int:
     results: list[RunResult] = []
     # pagedllm first, then transformers with the engine shut down: each system runs with no
     # OpenMP pool of the other's alive (two pools on a small machine throttle each other).
+    loaded = LoadedModel.of(engine)
     try:
         pad_id = engine.tokenizer.pad_token_id or engine.tokenizer.eos_token_id or 0
-        vocab_size = engine.engine.vocab_size
+        vocab_size = engine.model_info.vocab_size
         workloads = [
             make_workload(name, args.num_requests, vocab_size, args.seed)
             for name in args.workloads.split(",")
@@ -269,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     if not args.skip_hf:
-        hf_model = load_hf_model(engine)
+        hf_model = load_hf_model(loaded)
         for workload in workloads:
             results.append(run_hf_static(hf_model, workload, args.hf_batch_size, pad_id))
             results.append(run_hf_solo(hf_model, workload, args.hf_solo_sample, pad_id))
@@ -277,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
         _print_table([r for r in results if r.workload == workload.name])
     report = {
         "model": engine.model_name,
-        "dtype": str(engine.engine.dtype),
-        "device": str(engine.engine.device),
+        "dtype": str(loaded.dtype),
+        "device": str(loaded.device),
         "threads": torch.get_num_threads(),
         "results": [asdict(r) for r in results],
     }

@@ -8,9 +8,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .async_engine import RequestStream, create_engine
+from .async_engine import RequestStream
+from .client import PromptType
 from .config import EngineConfig
-from .llm_engine import PromptType
+from .factory import create_engine
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,6 +33,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_tokens), used when none are given."""
+        return SamplingParams(**self.engine.model_info.generation_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -46,19 +52,12 @@ class LLM:
         `prompt_token_ids`. All prompts are validated before any is submitted.
         """
         prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
-                )
+        params_list = self._params_for(sampling_params, len(prompt_list), "prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         # Only final outputs are needed here: no per-step output objects.
         params_list = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         groups = [
-            self.engine.engine.process_inputs(p, sp, priority=prio)
+            self.engine.process_inputs(p, sp, priority=prio)
             for p, sp, prio in zip(prompt_list, params_list, priorities)
         ]
         done: queue.Queue = queue.Queue()
@@ -97,36 +96,63 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, via the chat template."""
+        """Generate replies to one conversation or a list of them, via the chat template.
+
+        `tools` (OpenAI-style) are described in the prompt by the model's template when it
+        takes tools, else by pagedllm's tool prompt; read calls back with
+        `engine.tool_calls.parse_tool_calls`.
+        """
+        from ..chat.prepare import ChatOptions, prepare_chat  # the layer above the engine
+
         if not messages:
             raise ValueError("messages is empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        params_list = self._params_for(sampling_params, len(conversations), "conversations")
         prompts = []
-        for conversation in conversations:
+        for conversation, params in zip(conversations, params_list):
             if not conversation:
                 raise ValueError("a conversation is empty")
-            kwargs = dict(chat_template_kwargs or {})
-            if tools:
-                kwargs["tools"] = tools
             prompts.append(
-                self.engine.engine.apply_chat_template(
-                    list(conversation), add_generation_prompt=add_generation_prompt, **kwargs
+                prepare_chat(
+                    self.engine,
+                    list(conversation),  # type: ignore[arg-type]
+                    params,
+                    ChatOptions(tools=tools, structured=params.structured_outputs),
+                    add_generation_prompt=add_generation_prompt,
+                    template_kwargs=chat_template_kwargs,
                 )
             )
-        # The template already holds any BOS token: don't let the tokenizer add another.
-        tokenizer = self.engine.tokenizer
-        token_prompts: list[PromptType] = [
-            {"prompt_token_ids": tokenizer(p, add_special_tokens=False).input_ids} for p in prompts
-        ]
-        outputs = self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(
+            [p.engine_prompt for p in prompts],  # type: ignore[misc]
+            [p.params for p in prompts],
+            use_tqdm=use_tqdm,
+        )
         for output, prompt in zip(outputs, prompts):
-            output.prompt = prompt
+            output.prompt = prompt.text
         return outputs
+
+    def _params_for(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int,
+        what: str,
+    ) -> list[SamplingParams]:  # fmt: skip
+        """One SamplingParams per prompt: the given one for all, or one each (the model's
+        defaults when none are given)."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or self.get_default_sampling_params()] * count
+        params_list = list(sampling_params)
+        if len(params_list) != count:
+            raise ValueError(f"{len(params_list)} sampling params for {count} {what}")
+        return params_list
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        """Stop the engine and free its weights and KV cache."""
+        self.engine.shutdown()
+
+    def close(self) -> None:
+        """The same as `shutdown()`."""
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:

@@ -1,27 +1,27 @@
 """The synchronous engine core: add requests, `step()`, read outputs.
 
 It is not thread-safe by design: exactly one thread (the `AsyncEngine`'s engine thread)
-calls `add_group`, `abort_request` and `step`. `process_inputs` is the exception: it
-only tokenizes and validates, so callers run it on their own thread and a bad request
+calls `add_group`, `abort_request` and `step`. Requests are tokenized and validated
+before, on the caller's thread, by `self.inputs` (an `InputProcessor`), so a bad request
 fails there, before it reaches the engine.
 """
 
 from __future__ import annotations
 
-import json
+import gc
 import logging
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .client import ModelInfo, PromptType
 from .compute_plan import choose_plan
 from .config import EngineConfig, GiB
-from .detokenizer import IncrementalDetokenizer
 from .executor import build_executor
+from .generation_config import generation_defaults, read_generation_config
+from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from .model_loader import load_tokenizer, read_config, resolve_model
@@ -32,13 +32,13 @@ from .output_processor import RequestGroup, finished_request_stats, make_request
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampler import Sampler
-from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .tool_formats import ToolCallFormat, tool_format_for
+from .tool_formats import ToolCallFormat
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict[str, Any]
+__all__ = ["LLMEngine", "PromptType", "RequestGroup"]
+
 _DEFAULT_CPU_KV_BYTES = 1 * GiB
 _DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -65,7 +65,9 @@ class LLMEngine:
         self.dtype = self.plan.dtype
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
-        self.eos_token_ids = self._eos_token_ids(source.folder)
+        generation_config = read_generation_config(source.folder)
+        self.eos_token_ids = self._eos_token_ids(generation_config)
+        self.generation_defaults = generation_defaults(generation_config, self.model_name)
         self.executor = build_executor(
             config,
             source.folder,
@@ -115,8 +117,16 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = [self.counters]
         if not config.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(config.log_stats_interval))
-        self._structured = None
-        self._structured_lock = threading.Lock()
+        self.info = ModelInfo(
+            name=self.model_name,
+            architecture=self.model_config.architecture,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            block_size=block_size,
+            generation_defaults=dict(self.generation_defaults),
+        )
+        self.inputs = InputProcessor(config, self.tokenizer, self.info, self.device)
         self.load_time = time.perf_counter() - started
         logger.info(
             "loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
@@ -142,14 +152,12 @@ class LLMEngine:
             )
         return self.config.max_model_len
 
-    def _eos_token_ids(self, folder: Path) -> tuple[int, ...]:
+    def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
-        generation_config = folder / "generation_config.json"
-        if generation_config.exists():
-            eos = json.loads(generation_config.read_text()).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        eos = generation_config.get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
         return tuple(sorted(ids))
 
     def _linear_factory(self, hf_config: dict[str, Any], folder: Path) -> LinearFactory:
@@ -190,109 +198,6 @@ class LLMEngine:
                 "kv_cache_memory / gpu_memory_utilization or lower max_model_len"
             )
         return int(num_blocks)
-
-    # ------------------------------------------------------------------ inputs
-    def process_inputs(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> RequestGroup:
-        """Tokenize and validate one request (any thread); raises ValueError when it is bad."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"sampling params must be a SamplingParams, got {type(params).__name__}"
-            )
-        text, token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
-                "the prompt and at least one generated token must fit"
-            )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})"
-            )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"logprobs {params.logprobs} exceeds max_logprobs {self.config.max_logprobs}"
-            )
-        params = params.clone(_eos_token_ids=self.eos_token_ids)
-        compiled = None
-        if params.structured_outputs is not None:
-            compiled = self.structured_outputs.compile(params.structured_outputs)
-        request_id = request_id or uuid.uuid4().hex
-        now = time.monotonic()
-        children = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            seed = None if params.seed is None else params.seed + index
-            generator = None
-            if seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed)
-            child = Request(
-                request_id=child_id,
-                prompt_token_ids=token_ids,
-                sampling_params=params,
-                priority=priority,
-                cache_salt=cache_salt,
-                arrival_time=now,
-                parent_id=request_id,
-                sample_index=index,
-                generator=generator,
-                logprobs=[] if params.logprobs is not None else None,
-            )
-            child.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                stop=list(params.stop or []),
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-            if compiled is not None:
-                child.structured = self.structured_outputs.new_matcher(compiled)
-            children.append(child)
-        return RequestGroup(
-            request_id, text, token_ids, params, children, now, sent=[(0, 0)] * params.n
-        )
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty: give at least one token")
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(
-            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
-        )
-
-    @property
-    def structured_outputs(self):
-        # Created on first use, from whichever caller thread submits a constrained request.
-        with self._structured_lock:
-            if self._structured is None:
-                from .structured_outputs import StructuredOutputManager
-
-                self._structured = StructuredOutputManager(
-                    self.tokenizer, self.vocab_size, stop_token_ids=self.eos_token_ids
-                )
-            return self._structured
 
     # ----------------------------------------------------------- request flow
     def add_group(self, group: RequestGroup) -> None:
@@ -402,28 +307,27 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
 
-    def shutdown(self) -> None:
-        """Release what outlives the object: the tensor-parallel ranks, if any."""
-        self.executor.shutdown()
-
     @property
     def tool_format(self) -> ToolCallFormat:
-        """The tool-call markup this model was trained on (chosen once, from its chat
-        template, else its architecture): what front ends render, force and parse."""
-        chosen = getattr(self, "_tool_format", None)
-        if chosen is None:
-            architecture = getattr(getattr(self, "model_config", None), "architecture", None)
-            chosen = self._tool_format = tool_format_for(self.tokenizer, architecture)
-        return chosen
+        """The tool-call markup this model was trained on (see `InputProcessor.tool_format`)."""
+        return self.inputs.tool_format
 
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
-    ) -> str:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer of {self.model_name} has no chat template")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+    def shutdown(self) -> None:
+        """Release the model: the tensor-parallel ranks, the weights and the KV cache.
+
+        The tensors are dropped here, not when the last reference to this object goes,
+        so that whatever still holds the engine (a wrapper, a closure) does not keep
+        gigabytes alive; the engine cannot run afterwards.
+        """
+        if self.executor is not None:
+            self.executor.shutdown()
+        self.executor = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        self.sampler = None  # type: ignore[assignment]
+        self.groups.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _resolve_device(device: str) -> torch.device:

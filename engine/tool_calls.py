@@ -207,10 +207,14 @@ def render_chat_prompt(
     tools: list[dict] | None = None,
     tool_choice: str | dict | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
     tool_format: ToolFormatArg = None,
 ) -> str:
     """The prompt text for OpenAI-format chat messages, with the tools described in it (in
-    `tool_format`'s way; None: the one the tokenizer's chat template implies)."""
+    `tool_format`'s way; None: the one the tokenizer's chat template implies).
+
+    template_kwargs: more variables for the chat template (e.g. enable_thinking).
+    """
     mode = _choice_mode(tool_choice)
     normalized = normalize_tools(tools or []) if mode != "none" else []
     forced = _tool_choice_name(tool_choice) if mode == "named" else None
@@ -221,7 +225,14 @@ def render_chat_prompt(
     check_messages(messages)
     fmt = resolve_format(tool_format) if tool_format is not None else tool_format_for(tokenizer)
     return fmt.render(
-        tokenizer, messages, normalized, tool_choice, mode, forced, add_generation_prompt
+        tokenizer,
+        messages,
+        normalized,
+        tool_choice,
+        mode,
+        forced,
+        add_generation_prompt,
+        dict(template_kwargs or {}),
     )
 
 

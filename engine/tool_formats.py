@@ -88,15 +88,19 @@ class ToolCallFormat:
         mode: str,
         forced: str | None,
         add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt: the template's own tool rendering where it has one, else plain turns
-        with the tools section in the system turn."""
+        with the tools section in the system turn. template_kwargs: more template variables
+        (e.g. enable_thinking)."""
+        extra = dict(template_kwargs or {})
         if tools and template_renders_tools(tokenizer):
             return tokenizer.apply_chat_template(
                 messages_for_template(messages),
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **extra,
             )
         turns = self.plain_turns(messages)
         if tools:
@@ -105,6 +109,7 @@ class ToolCallFormat:
             [{"role": m["role"], "content": m["content"]} for m in turns],
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **extra,
         )
 
     def plain_turns(self, messages: list[dict]) -> list[dict]:
@@ -214,7 +219,17 @@ class Phi4Format(ToolCallFormat):
         definitions = json.dumps([t["function"] for t in tools])
         return "\n".join([f"<|tool|>{definitions}<|/tool|>", *_forced_line(mode, forced)])
 
-    def render(self, tokenizer, messages, tools, tool_choice, mode, forced, add_generation_prompt):
+    def render(
+        self,
+        tokenizer,
+        messages,
+        tools,
+        tool_choice,
+        mode,
+        forced,
+        add_generation_prompt,
+        template_kwargs=None,
+    ):
         """Phi-4-mini's template reads the tool list from the system message's `tools` field
         (a JSON string) and writes <|tool|>...<|/tool|> itself; other templates get it inline."""
         turns = self.plain_turns(messages)
@@ -233,6 +248,7 @@ class Phi4Format(ToolCallFormat):
             [{k: v for k, v in m.items() if k in keep} for m in turns],
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **dict(template_kwargs or {}),
         )
 
     def plain_turns(self, messages: list[dict]) -> list[dict]:

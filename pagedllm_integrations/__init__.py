@@ -6,10 +6,14 @@
 
 LangChain: `pagedllm_integrations.langchain` (PagedLLM, ChatPagedLLM).
 LlamaIndex: `pagedllm_integrations.llama_index` (PagedLlamaIndexLLM).
+`shutdown_shared_engines()` stops every engine the wrappers share and frees its memory.
 """
 
-from .engine.async_engine import AsyncEngine, RequestStream, shared_engine
+from .chat.errors import IncompleteOutputError
+from .engine.async_engine import AsyncEngine, RequestStream
+from .engine.client import EngineClient
 from .engine.config import EngineConfig
+from .engine.factory import shared_engine, shutdown_shared_engines
 from .engine.llm import LLM
 from .engine.outputs import CompletionOutput, Logprob, RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -18,7 +22,9 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "CompletionOutput",
+    "EngineClient",
     "EngineConfig",
+    "IncompleteOutputError",
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",
@@ -26,5 +32,6 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "shared_engine",
+    "shutdown_shared_engines",
 ]
 __version__ = "0.1.0"

@@ -24,6 +24,30 @@ SUBCOMMANDS = {
 }
 
 
+# Modules an optional extra brings, and the extra's name.
+EXTRAS = {
+    "fastapi": "server",
+    "starlette": "server",
+    "uvicorn": "server",
+    "prometheus_client": "server",
+    "httpx": "server",
+    "langchain_core": "langchain",
+    "llama_index": "llama-index",
+    "ray": "ray",
+}
+
+
+def _missing_extra(command: str, error: ModuleNotFoundError) -> str | None:
+    """One line naming the extra that brings the missing module, or None if none does."""
+    extra = EXTRAS.get((error.name or "").split(".")[0])
+    if extra is None:
+        return None
+    return (
+        f"pagedllm {command} needs the [{extra}] extra ({error.name} is not installed): "
+        f"pip install 'pagedllm[{extra}]'"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -33,14 +57,28 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text)
         if name == chosen:  # only the chosen subcommand's module is imported
-            module = importlib.import_module(f".{module_name}", __package__)
+            try:
+                module = importlib.import_module(f".{module_name}", __package__)
+            except ModuleNotFoundError as error:
+                hint = _missing_extra(name, error)
+                if hint is None:
+                    raise
+                print(hint, file=sys.stderr)
+                return 2
             module.add_arguments(sub_parser, name)
             sub_parser.set_defaults(_module=module)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return int(args._module.run(args) or 0)
+    try:
+        return int(args._module.run(args) or 0)
+    except ModuleNotFoundError as error:  # an extra imported only when the command runs
+        hint = _missing_extra(args.command, error)
+        if hint is None:
+            raise
+        print(hint, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .engine.async_engine import create_engine
+    from .chat.prepare import prepare_chat
     from .engine.config import EngineConfig
+    from .engine.factory import create_engine
     from .engine.sampling_params import RequestOutputKind, SamplingParams
 
     engine = create_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))
@@ -90,9 +91,8 @@ def run(args: argparse.Namespace) -> int:
             if not line.strip():
                 break
             history.append({"role": "user", "content": line})
-            prompt = engine.engine.apply_chat_template(history)
-            ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
-            reply = _stream(engine, {"prompt_token_ids": ids}, params)
+            prompt = prepare_chat(engine, history, params)
+            reply = _stream(engine, prompt.engine_prompt, prompt.params)
             history.append({"role": "assistant", "content": reply})
         return 0
     finally:

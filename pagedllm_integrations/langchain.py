@@ -6,7 +6,11 @@
 
 Every instance with the same model and engine settings shares one engine (weights, batches
 and prefix cache), built on the first call: constructing a wrapper is cheap. Concurrent
-calls from threads or tasks are merged by the engine's continuous batching.
+calls from threads or tasks are merged by the engine's continuous batching. `close()` (or
+a `with` block) gives the engine back; the last one to do so frees its memory.
+
+The constructor also takes the settings of the classes it replaces (VLLM, VLLMOpenAI,
+HuggingFacePipeline; ChatOllama, ChatHuggingFace), mapped onto its own or refused by name.
 """
 
 from __future__ import annotations
@@ -25,29 +29,25 @@ try:
     from langchain_core.language_models import BaseLLM
     from langchain_core.language_models.base import LangSmithParams
     from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-    from pydantic import Field, PrivateAttr, model_validator
+    from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         'pagedllm_integrations.langchain needs langchain-core: pip install "pagedllm[langchain]"'
     ) from error
 
-from .engine.async_engine import AsyncEngine
+from .chat.logprobs import chat_logprobs
+from .chat.outputs import Usage
+from .chat.sampling import merge_sampling, merge_stops
+from .chat.stream import aiter_outputs, arun_all, iter_outputs, run_all
+from .engine.client import EngineClient
 from .engine.config import EngineConfig
-from .engine.llm_engine import RequestGroup
+from .engine.output_processor import RequestGroup
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams
-from .langchain_support import (
-    PROVIDER,
-    EngineOwner,
-    aiter_outputs,
-    arun_all,
-    build_engine_config,
-    format_logprobs,
-    iter_outputs,
-    merge_sampling,
-    run_all,
-    token_usage,
-)
+from .langchain_support import PROVIDER, split_call_kwargs
+from .owner import EngineOwner, build_engine_config
+from .peer_settings import peer_settings_validator
+from .peer_tables import LLM_PEERS
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,8 @@ def _info(completion: CompletionOutput, call: _Call) -> dict[str, Any]:
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
     }
-    if call.logprobs is not None:
-        info["logprobs"] = format_logprobs(completion, call.logprobs)
+    if call.logprobs is not None and completion.logprobs is not None:
+        info["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, call.logprobs)
         info["cumulative_logprob"] = completion.cumulative_logprob
     return info
 
@@ -82,7 +82,12 @@ class PagedLLM(EngineOwner, BaseLLM):
 
     Unlike `VLLM` it streams real tokens, returns all `n` candidates, keeps the
     init-time `stop` when a call adds its own, and reports logprobs and token usage.
+    Sampling settings left at None take the model's generation_config.json defaults, else
+    vLLM's neutral ones; `max_new_tokens=None` generates until the end of the answer or of
+    the context.
     """
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     """A GGUF file, a Hugging Face folder or id; None: the embedded SmolLM2-135M-Instruct."""
@@ -91,15 +96,16 @@ class PagedLLM(EngineOwner, BaseLLM):
     n: int = 1
     best_of: int | None = None
     """Sample this many and return the `n` with the highest cumulative logprob."""
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     use_beam_search: bool = False
     stop: list[str] | None = None
     ignore_eos: bool = False
-    max_new_tokens: int = 512
+    max_new_tokens: int | None = None
+    """Most tokens to generate; None: until the end of the answer or of the context."""
     logprobs: int | None = None
     dtype: str = "auto"
     download_dir: str | None = None
@@ -111,8 +117,11 @@ class PagedLLM(EngineOwner, BaseLLM):
     """Seconds a call may take; the request is aborted and TimeoutError raised after it."""
 
     _config: EngineConfig = PrivateAttr()
-    _engine: AsyncEngine | None = PrivateAttr(default=None)
+    _engine: EngineClient | None = PrivateAttr(default=None)
     _sampling_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    # Settings of the libraries this class replaces, mapped onto its own or refused.
+    _peer_settings = peer_settings_validator(LLM_PEERS, "engine_kwargs", "vllm_kwargs")
 
     @model_validator(mode="after")
     def _check(self) -> PagedLLM:
@@ -130,7 +139,44 @@ class PagedLLM(EngineOwner, BaseLLM):
         self._config, self._sampling_extra = build_engine_config(
             explicit, self.engine_kwargs, self.vllm_kwargs
         )
+        # A bad sampling value fails here, not at the first call.
+        defaults = {k: v for k, v in self._default_params().items() if k != "best_of"}
+        SamplingParams.from_kwargs(**merge_sampling({}, defaults, self._sampling_extra))
         return self
+
+    @classmethod
+    def from_model_id(
+        cls,
+        model_id: str,
+        task: str = "text-generation",
+        backend: str = "default",
+        device: int | None = None,
+        device_map: str | None = None,
+        model_kwargs: dict | None = None,
+        pipeline_kwargs: dict | None = None,
+        batch_size: int | None = None,
+        **kwargs: Any,
+    ) -> PagedLLM:
+        """HuggingFacePipeline.from_model_id's signature: `model_id` and the generation
+        settings of `pipeline_kwargs` are honoured; device -1 is the CPU, k >= 0 GPU k."""
+        if task != "text-generation":
+            raise ValueError(f"task={task!r}: pagedllm generates text ('text-generation') only")
+        if backend not in ("default", "pt"):
+            raise ValueError(f"backend={backend!r}: pagedllm is its own backend; drop it")
+        if device_map not in (None, "auto"):
+            raise ValueError(f"device_map={device_map!r}: choose device=-1 (CPU) or device=k")
+        engine_kwargs = dict(kwargs.pop("engine_kwargs", None) or {})
+        if device is not None:
+            engine_kwargs["device"] = "cpu" if device < 0 else f"cuda:{device}"
+        settings = {
+            "model_id": model_id,
+            "model_kwargs": model_kwargs,
+            "pipeline_kwargs": pipeline_kwargs,
+            "batch_size": batch_size,
+            "engine_kwargs": engine_kwargs,
+            **kwargs,
+        }
+        return cls(**settings)  # HuggingFacePipeline's names, mapped by _peer_settings
 
     @property
     def _llm_type(self) -> str:
@@ -160,13 +206,25 @@ class PagedLLM(EngineOwner, BaseLLM):
         params["ls_provider"] = PROVIDER
         params["ls_model_name"] = kwargs.get("model") or self._model_name()
         params["ls_model_type"] = "llm"
-        params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_new_tokens)
+        if kwargs.get("max_tokens", self.max_new_tokens) is not None:
+            params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_new_tokens)
         return params
 
-    def _params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` as the engine reads a prompt (the model's own tokenizer)."""
+        return self._token_ids(text, add_special_tokens=True)
+
+    def _params(
+        self, engine: EngineClient, stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> _Call:
         base = self._default_params()
         best_of = kwargs.pop("best_of", base.pop("best_of"))
-        merged = merge_sampling(base, self._sampling_extra, kwargs, (self.stop, stop))
+        call = split_call_kwargs(kwargs)
+        merged = merge_sampling(
+            engine.model_info.generation_defaults, base, self._sampling_extra, call
+        )
+        merged["stop"] = merge_stops(self.stop, stop, self._sampling_extra.get("stop"),
+                                     call.get("stop"))  # fmt: skip
         n, wanted = merged.get("n", 1), merged.get("logprobs")
         if best_of is not None and best_of < n:
             raise ValueError(f"best_of ({best_of}) must be >= n ({n})")
@@ -178,12 +236,12 @@ class PagedLLM(EngineOwner, BaseLLM):
 
     def _prepare(
         self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any], kind
-    ) -> tuple[AsyncEngine, list[RequestGroup], _Call]:
+    ) -> tuple[EngineClient, list[RequestGroup], _Call]:
         engine = self._get_engine()
-        call = self._params(stop, dict(kwargs))
+        call = self._params(engine, stop, dict(kwargs))
         call.params = call.params.clone(output_kind=kind)
         # Validate every prompt before submitting any: a bad one fails the call, not a half.
-        groups = [engine.engine.process_inputs(p, call.params) for p in prompts]
+        groups = [engine.process_inputs(p, call.params) for p in prompts]
         return engine, groups, call
 
     def _result(self, outputs: list[RequestOutput], call: _Call) -> LLMResult:
@@ -196,7 +254,10 @@ class PagedLLM(EngineOwner, BaseLLM):
             generations.append(
                 [Generation(text=c.text, generation_info=_info(c, call)) for c in candidates]
             )
-        llm_output = {"token_usage": token_usage(outputs), "model_name": self._model_name()}
+        llm_output = {
+            "token_usage": Usage.of(outputs).to_openai(),
+            "model_name": self._model_name(),
+        }
         return LLMResult(generations=generations, llm_output=llm_output)
 
     def _generate(
@@ -222,7 +283,9 @@ class PagedLLM(EngineOwner, BaseLLM):
         )
         return self._result(await arun_all(engine, groups, self.timeout), call)
 
-    def _stream_prepare(self, prompt: str, stop, kwargs) -> tuple[AsyncEngine, RequestGroup, _Call]:
+    def _stream_prepare(
+        self, prompt: str, stop, kwargs
+    ) -> tuple[EngineClient, RequestGroup, _Call]:
         engine, groups, call = self._prepare([prompt], stop, kwargs, RequestOutputKind.DELTA)
         if call.params.n != 1:
             raise ValueError(
@@ -238,13 +301,7 @@ class PagedLLM(EngineOwner, BaseLLM):
             return None
         info = None
         if output.finished:
-            prompt = len(output.prompt_token_ids)
-            usage = {
-                "prompt_tokens": prompt,
-                "completion_tokens": call.generated,
-                "total_tokens": prompt + call.generated,
-                "cached_prompt_tokens": output.num_cached_tokens,
-            }
+            usage = Usage.of([output], completion_tokens=call.generated).to_openai()
             info = {**_info(completion, call), "token_usage": usage}
         return GenerationChunk(text=completion.text, generation_info=info)
 

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -33,31 +33,22 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from .engine.async_engine import AsyncEngine
+from .chat.logprobs import chat_logprobs
+from .chat.outputs import ChatChoice, Usage, check_complete, read_choice
+from .chat.prepare import ChatOptions, count_chat_tokens, prepare_chat
+from .chat.sampling import build_sampling_params, merge_stops
+from .chat.stream import ChoiceStream, aiter_outputs, arun_all, iter_outputs, run_all
+from .chat.tool_choice import ToolPlan, normalize_tool_choice
+from .engine.client import EngineClient
 from .engine.config import EngineConfig
-from .engine.llm_engine import RequestGroup
-from .engine.outputs import RequestOutput
-from .engine.sampling_params import RequestOutputKind, SamplingParams
-from .engine.tool_calls import (
-    CALL_OPEN,
-    ToolCallFormat,
-    parse_tool_calls,
-    render_chat_prompt,
-    tool_call_constraint,
-)
-from .langchain_messages import ToolCallGate, normalize_tool_choice, to_openai_messages
-from .langchain_support import (
-    PROVIDER,
-    EngineOwner,
-    aiter_outputs,
-    arun_all,
-    build_engine_config,
-    format_logprobs,
-    iter_outputs,
-    merge_sampling,
-    run_all,
-    token_usage,
-)
+from .engine.output_processor import RequestGroup
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from .langchain_messages import to_openai_messages
+from .langchain_support import PROVIDER, split_call_kwargs
+from .owner import EngineOwner, build_engine_config
+from .peer_settings import peer_settings_validator
+from .peer_tables import CHAT_PEERS
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +58,7 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
     tool calling with `tool_choice`, structured output by constrained decoding, and
     prefix-cache hits reported as `usage_metadata["input_token_details"]["cache_read"]`."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
     model: str | None = Field(default=None, alias="model_name")
     """A GGUF file, a Hugging Face folder or id; None: the embedded SmolLM2-135M-Instruct."""
@@ -98,10 +89,15 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
     """Any EngineConfig field: max_model_len, kv_cache_memory, enable_prefix_caching, ..."""
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """More SamplingParams fields applied to every call (repetition_penalty, min_tokens...)."""
+    validate_model_on_init: bool = False
+    """True: load the model at construction, so that a bad model fails there."""
 
     _config: EngineConfig = PrivateAttr()
-    _engine: AsyncEngine | None = PrivateAttr(default=None)
+    _engine: EngineClient | None = PrivateAttr(default=None)
     _sampling_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    # Settings of the libraries this class replaces, mapped onto its own or refused.
+    _peer_settings = peer_settings_validator(CHAT_PEERS, "engine_kwargs", "model_kwargs")
 
     @model_validator(mode="after")
     def _check(self) -> ChatPagedLLM:
@@ -109,7 +105,37 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         self._config, self._sampling_extra = build_engine_config(
             explicit, self.engine_kwargs, self.model_kwargs
         )
+        structured = self._sampling_extra.get("structured_outputs")
+        if isinstance(structured, dict):
+            self._sampling_extra["structured_outputs"] = StructuredOutputsParams(**structured)
+        # A bad sampling value fails here, not at the first call.
+        build_sampling_params({}, self._default_params(), self._sampling_extra)
+        if self.validate_model_on_init:
+            self._get_engine()
         return self
+
+    @classmethod
+    def from_model_id(
+        cls,
+        model_id: str,
+        task: str | None = None,
+        backend: str = "pipeline",
+        **kwargs: Any,
+    ) -> ChatPagedLLM:
+        """ChatHuggingFace.from_model_id's signature (the "pipeline" backend, in process)."""
+        if backend != "pipeline":
+            raise ValueError(
+                f"backend={backend!r} calls a remote endpoint; pagedllm runs the model in this "
+                "process (backend='pipeline')"
+            )
+        if task not in (None, "text-generation"):
+            raise ValueError(f"task={task!r}: pagedllm generates text ('text-generation') only")
+        from .langchain import PagedLLM
+
+        pipeline_keys = ("device", "device_map", "model_kwargs", "pipeline_kwargs", "batch_size")
+        pipeline = {k: kwargs.pop(k) for k in pipeline_keys if k in kwargs}
+        settings = {"llm": PagedLLM.from_model_id(model_id, **pipeline), **kwargs}
+        return cls(**settings)
 
     @property
     def _llm_type(self) -> str:
@@ -144,96 +170,96 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         params["ls_model_type"] = "chat"
         return params
 
+    # ------------------------------------------------------------ token counts
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` by the model's own tokenizer (no special tokens added)."""
+        return self._token_ids(text, add_special_tokens=False)
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence | None = None
+    ) -> int:
+        """The prompt tokens of this conversation as a call sends it: the model's chat
+        template with the tools described in it (what usage reports as input_tokens)."""
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        return count_chat_tokens(self._get_engine(), to_openai_messages(messages), formatted)
+
     # ------------------------------------------------------------------ requests
     def _prepare(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], kind
-    ) -> tuple[AsyncEngine, RequestGroup, _ChatCall]:
+    ) -> tuple[EngineClient, RequestGroup, _ChatCall]:
         """Render the chat template, tokenize and validate (any thread; loads the engine)."""
         engine = self._get_engine()
         kwargs = dict(kwargs)
-        tools = kwargs.pop("tools", None) or None
-        tool_choice = kwargs.pop("tool_choice", None)
-        structured = kwargs.pop("structured_outputs", None)
-        parallel = bool(kwargs.pop("parallel_tool_calls", False))
-        if tool_choice == "none":
-            tools = None  # the model must answer in text: do not offer tools at all
-        constraint = None
-        tool_format = engine.engine.tool_format
-        if tools:
-            constraint = tool_call_constraint(
-                tools, tool_choice, parallel_tool_calls=parallel, tool_format=tool_format
-            )
-        if constraint is not None and structured is not None:
-            raise ValueError("a call cannot both force a tool call and a structured output")
-        merged = merge_sampling(
-            self._default_params(), self._sampling_extra, kwargs, (self.stop, stop)
+        extra = dict(self._sampling_extra)
+        # A structured output set at construction (ChatOllama's `format`) is a default.
+        options = ChatOptions.pop_from(kwargs, extra.pop("structured_outputs", None))
+        call = split_call_kwargs(kwargs)
+        params = build_sampling_params(
+            engine.model_info.generation_defaults,
+            self._default_params(),
+            extra,
+            call,
+            stop=merge_stops(self.stop, stop, extra.get("stop"), call.get("stop")),
+            output_kind=kind,
         )
-        merged["structured_outputs"] = constraint or structured
-        merged["output_kind"] = kind
-        params = SamplingParams.from_kwargs(**merged)
-        prompt = render_chat_prompt(
-            engine.tokenizer,
-            to_openai_messages(messages),
-            tools=tools,
-            tool_choice=tool_choice,
-            add_generation_prompt=True,
-            tool_format=tool_format,
-        )
-        # The template already holds any BOS: no second one from the tokenizer.
-        ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
-        group = engine.engine.process_inputs({"prompt_token_ids": ids}, params)
-        logprobs = params.logprobs
-        return engine, group, _ChatCall(params, tools, logprobs, tool_format)
+        prompt = prepare_chat(engine, to_openai_messages(messages), params, options)
+        group = engine.process_inputs(prompt.engine_prompt, prompt.params)
+        return engine, group, _ChatCall(prompt.params, prompt.plan)
 
     def _message(self, output: RequestOutput, index: int, call: _ChatCall) -> ChatGeneration:
         completion = output.outputs[index]
-        content, tool_calls = self._split_tool_calls(completion.text, call)
-        metadata = self._response_metadata(completion, call, bool(tool_calls))
+        choice = read_choice(completion.text, completion.finish_reason, call.plan)
+        check_complete(call.plan, choice, completion.finish_reason, len(completion.token_ids),
+                       call.params.max_tokens)  # fmt: skip
+        metadata = self._response_metadata(completion, call, choice)
         message = AIMessage(
-            content=content,
+            content=choice.content,
             tool_calls=[
                 {"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"}
-                for c in tool_calls
+                for c in choice.tool_calls
             ],
-            usage_metadata=_usage(output, len(completion.token_ids)) if index == 0 else None,
+            usage_metadata=_usage_metadata(Usage.of([output])) if index == 0 else None,
             response_metadata=metadata,
         )
         return ChatGeneration(
             message=message, generation_info={"finish_reason": metadata["finish_reason"]}
         )
 
-    @staticmethod
-    def _split_tool_calls(text: str, call: _ChatCall) -> tuple[str, list]:
-        if not call.tools:
-            return text, []
-        return parse_tool_calls(text, call.tools, call.tool_format)
-
-    def _response_metadata(self, completion, call: _ChatCall, called: bool) -> dict[str, Any]:
+    def _response_metadata(
+        self, completion: CompletionOutput, call: _ChatCall, choice: ChatChoice
+    ) -> dict[str, Any]:
         metadata: dict[str, Any] = {
             "model_name": self._model_name(),
             "model_provider": PROVIDER,
-            "finish_reason": "tool_calls" if called else completion.finish_reason,
+            "finish_reason": choice.finish_reason,
         }
         if completion.stop_reason is not None:
             metadata["stop_reason"] = completion.stop_reason
-        if call.logprobs is not None:
-            metadata["logprobs"] = {"content": format_logprobs(completion, call.logprobs)}
+        if call.params.logprobs is not None and completion.logprobs is not None:
+            content = chat_logprobs(completion.token_ids, completion.logprobs, call.params.logprobs)
+            metadata["logprobs"] = {"content": content}
         return metadata
 
     def _combine_llm_outputs(self, llm_outputs: list[dict | None]) -> dict:
         """generate() over several conversations: token usage added up."""
-        usage: dict[str, int] = {}
+        total = Usage()
         for output in llm_outputs:
-            for key, value in ((output or {}).get("token_usage") or {}).items():
-                usage[key] = usage.get(key, 0) + value
-        return {"token_usage": usage, "model_name": self._model_name()}
+            usage = (output or {}).get("token_usage") or {}
+            total = total + Usage(
+                usage.get("prompt_tokens", 0),
+                usage.get("completion_tokens", 0),
+                (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            )
+        return {"token_usage": total.to_openai(), "model_name": self._model_name()}
 
     def _result(self, output: RequestOutput, call: _ChatCall) -> ChatResult:
         generations = [self._message(output, i, call) for i in range(len(output.outputs))]
-        usage = token_usage([output])
         return ChatResult(
             generations=generations,
-            llm_output={"token_usage": usage, "model_name": self._model_name()},
+            llm_output={
+                "token_usage": Usage.of([output]).to_openai(),
+                "model_name": self._model_name(),
+            },
         )
 
     def _generate(
@@ -261,29 +287,26 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         return self._result(output, call)
 
     # ----------------------------------------------------------------- streaming
-    def _stream_prepare(self, messages, stop, kwargs) -> tuple[AsyncEngine, RequestGroup, Any]:
+    def _stream_prepare(self, messages, stop, kwargs) -> tuple[EngineClient, RequestGroup, Any]:
         engine, group, call = self._prepare(messages, stop, kwargs, RequestOutputKind.DELTA)
         if call.params.n != 1:
             raise ValueError(f"streaming returns one candidate; got n={call.params.n}")
         return engine, group, call
 
     def _chunks(self, output: RequestOutput, call: _ChatCall) -> Iterator[ChatGenerationChunk]:
-        """Chunks for one engine output (DELTA text). With tools bound, text that may be a
-        tool call is held back until the end, when `parse_tool_calls` reads it."""
+        """Chunks for one engine output (DELTA text). With tools on offer, text that may be
+        a tool call is held back until the end, when the calls are read."""
         completion = output.outputs[0]
-        call.generated += len(completion.token_ids)
-        text = completion.text if call.gate is None else call.gate.feed(completion.text)
-        if not output.finished:
-            if text:
-                yield ChatGenerationChunk(message=AIMessageChunk(content=text))
+        step = call.stream.feed(completion)
+        if step.done is None:
+            if step.text:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=step.text))
             return
-        tool_calls: list = []
-        if call.gate is not None:
-            held, tool_calls = self._split_tool_calls(call.gate.finish(), call)
-            text += held
-        metadata = self._response_metadata(completion, call, bool(tool_calls))
+        check_complete(call.plan, step.done, completion.finish_reason, call.stream.num_tokens,
+                       call.params.max_tokens)  # fmt: skip
+        metadata = self._response_metadata(completion, call, step.done)
         chunk = AIMessageChunk(
-            content=text,
+            content=step.text,
             tool_call_chunks=[
                 {
                     "name": c.name,
@@ -292,9 +315,11 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
                     "index": i,
                     "type": "tool_call_chunk",
                 }
-                for i, c in enumerate(tool_calls)
+                for i, c in enumerate(step.done.tool_calls)
             ],
-            usage_metadata=_usage(output, call.generated),
+            usage_metadata=_usage_metadata(
+                Usage.of([output], completion_tokens=call.stream.num_tokens)
+            ),
             chunk_position="last",
         )
         yield ChatGenerationChunk(message=chunk, generation_info=metadata)
@@ -338,10 +363,8 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         """Offer tools to the model. tool_choice: "auto" (default), "any"/"required" (a
         call is forced by constrained decoding), "none", a tool name, or an OpenAI dict."""
         formatted = [convert_to_openai_tool(t) for t in tools]
-        names = [t["function"]["name"] for t in formatted]
-        choice = normalize_tool_choice(tool_choice, names)
-        if choice is not None:
-            kwargs["tool_choice"] = choice
+        if tool_choice is not None:
+            kwargs["tool_choice"] = normalize_tool_choice(tool_choice, formatted)
         return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(
@@ -404,23 +427,17 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
 @dataclass(slots=True)
 class _ChatCall:
     params: SamplingParams
-    tools: list[dict[str, Any]] | None
-    logprobs: int | None
-    tool_format: ToolCallFormat | None = None  # the model's markup of calls
-    generated: int = 0  # tokens streamed so far (DELTA outputs carry only the new ones)
-    gate: ToolCallGate | None = None  # streaming with tools: holds text that may be a call
+    plan: ToolPlan
+    stream: ChoiceStream = field(init=False)  # streaming: tokens so far, the tool-call gate
 
     def __post_init__(self) -> None:
-        if self.tools and self.params.output_kind == RequestOutputKind.DELTA:
-            call_open = self.tool_format.call_open if self.tool_format else CALL_OPEN
-            self.gate = ToolCallGate(call_open)
+        self.stream = ChoiceStream(self.plan)
 
 
-def _usage(output: RequestOutput, generated: int) -> UsageMetadata:
-    prompt = len(output.prompt_token_ids)
+def _usage_metadata(usage: Usage) -> UsageMetadata:
     return UsageMetadata(
-        input_tokens=prompt,
-        output_tokens=generated,
-        total_tokens=prompt + generated,
-        input_token_details={"cache_read": output.num_cached_tokens},
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        input_token_details={"cache_read": usage.cached_tokens},
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -35,8 +34,14 @@ try:
         LLMMetadata,
         MessageRole,
     )
-    from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, model_validator
-    from llama_index.core.constants import DEFAULT_NUM_OUTPUTS, DEFAULT_TEMPERATURE
+    from llama_index.core.bridge.pydantic import (
+        BaseModel,
+        ConfigDict,
+        Field,
+        PrivateAttr,
+        model_validator,
+    )
+    from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
     from llama_index.core.instrumentation.events.llm import (
         LLMStructuredPredictEndEvent,
         LLMStructuredPredictStartEvent,
@@ -49,25 +54,26 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         'PagedLlamaIndexLLM needs llama-index-core: pip install "pagedllm[llama-index]"'
     ) from error
 
-from .engine.async_engine import AsyncEngine, shared_engine
+from .chat.prepare import ChatOptions, prepare_chat
+from .chat.sampling import SAMPLING_FIELDS, build_sampling_params, merge_stops
+from .chat.stream import aiter_outputs, alast, iter_outputs, last
+from .chat.tool_choice import ToolPlan, plan_tools
+from .engine.client import EngineClient, PromptType
 from .engine.config import EngineConfig
-from .engine.llm_engine import PromptType
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from .engine.tool_calls import render_chat_prompt, tool_call_constraint
 from .llama_index_convert import (
-    Deltas,
+    CallState,
     PartialObject,
-    afollow,
-    alast,
     chat_response,
     completion_response,
-    follow,
     keep_first_tool_call,
-    last,
     to_openai_messages,
     tool_selections,
 )
+from .owner import EngineOwner, display_model_name
+from .peer_settings import peer_settings_validator
+from .peer_tables import LLAMA_INDEX_PEERS
 
 if TYPE_CHECKING:
     from llama_index.core.prompts import BasePromptTemplate
@@ -78,8 +84,6 @@ dispatcher = instrument.get_dispatcher(__name__)
 
 __all__ = ["PagedLlamaIndexLLM", "to_openai_messages"]
 
-# What the engine calls the embedded model when no model is given (engine/model_loader.py).
-_DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Per-call keyword arguments that are ours rather than sampling parameters.
 _CALL_KWARGS = {
     "tools",
@@ -90,23 +94,43 @@ _CALL_KWARGS = {
 }
 # Keyword arguments LlamaIndex's own helpers pass down; they carry nothing for generation.
 _FRAMEWORK_KWARGS = {"allow_parallel_tool_calls", "verbose", "formatted"}
-_SAMPLING_NAMES = {
-    name for name in SamplingParams.__dataclass_fields__ if not name.startswith("_")
-} - {"output_kind"}
+_SAMPLING_NAMES = SAMPLING_FIELDS - {"output_kind"}
 
 
-class PagedLlamaIndexLLM(FunctionCallingLLM):
-    """A LlamaIndex `FunctionCallingLLM` served by pagedllm's paged, batching engine."""
+class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
+    """A LlamaIndex `FunctionCallingLLM` served by pagedllm's paged, batching engine.
+
+    Sampling settings left at None take the model's generation_config.json defaults, else
+    vLLM's neutral ones; `max_new_tokens=None` generates until the end of the answer or of
+    the context. The constructor also takes LlamaIndex Ollama's and Vllm's settings, mapped
+    onto these or refused by name. `close()` gives the shared engine back.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(
         default=None, description="GGUF file, HF folder or hub id; None: embedded SmolLM2."
     )
-    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, description="0 is greedy.")
-    max_new_tokens: int = Field(default=DEFAULT_NUM_OUTPUTS, gt=0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, description="0 or -1: no limit.")
+    temperature: float | None = Field(
+        default=None, ge=0.0, description="0 is greedy; None: the model's default."
+    )
+    max_new_tokens: int | None = Field(
+        default=None, gt=0, description="None: until the end of the answer or the context."
+    )
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, description="0 or -1: no limit.")
     seed: int | None = Field(default=None)
     stop: list[str] | None = Field(default=None, description="Stop strings, for every call.")
+    timeout: float | None = Field(
+        default=None, description="Seconds a call may take; then it is aborted (TimeoutError)."
+    )
+    json_mode: bool = Field(
+        default=False, description="Every answer is a JSON object (constrained decoding)."
+    )
+    is_chat_model: bool = Field(
+        default=True, description="False: query engines call complete() with their own prompt."
+    )
+    is_function_calling_model: bool = Field(default=True)
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="EngineConfig fields (max_model_len, dtype, ...)."
     )
@@ -115,7 +139,10 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
     )
 
     _config: EngineConfig = PrivateAttr()
-    _engine: AsyncEngine | None = PrivateAttr(default=None)
+    _engine: EngineClient | None = PrivateAttr(default=None)
+
+    # Settings of the libraries this class replaces, mapped onto its own or refused.
+    _peer_settings = peer_settings_validator(LLAMA_INDEX_PEERS, "engine_kwargs", "sampling_kwargs")
 
     @model_validator(mode="after")
     def _check_settings(self) -> PagedLlamaIndexLLM:
@@ -123,7 +150,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         if "model" in self.engine_kwargs:
             raise ValueError("give the model as model=..., not inside engine_kwargs")
         self._config = EngineConfig.from_kwargs(model=self.model, **self.engine_kwargs)
-        self._sampling_params({})
+        self._sampling_params({}, {})
         return self
 
     @classmethod
@@ -131,183 +158,163 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         return "PagedLlamaIndexLLM"
 
     # ------------------------------------------------------------------ engine
-    @property
-    def engine(self) -> AsyncEngine:
-        """The shared engine for this model and settings; loads the model on first use."""
-        if self._engine is None or self._engine._stopped:
-            self._engine = shared_engine(self._config)
-        return self._engine
-
-    async def _aengine(self) -> AsyncEngine:
+    async def _aengine(self) -> EngineClient:
         # Loading takes seconds: do it off the event loop.
-        if self._engine is None or self._engine._stopped:
-            self._engine = await asyncio.to_thread(shared_engine, self._config)
-        return self._engine
+        return await asyncio.to_thread(self._get_engine)
 
     @property
     def metadata(self) -> LLMMetadata:
-        loaded = self._engine is not None
-        if loaded or self._config.max_model_len is None:
+        if self._engine is not None or self._config.max_model_len is None:
             context_window, model_name = self.engine.max_model_len, self.engine.model_name
         else:
             context_window = self._config.max_model_len
-            # Named as the engine will name it (model_loader.resolve_model).
-            path = Path(self.model) if self.model else None
-            model_name = self._config.served_model_name or (
-                (path.stem if path.suffix == ".gguf" else path.name)
-                if path
-                else _DEFAULT_MODEL_NAME
-            )
+            model_name = display_model_name(self._config)
         return LLMMetadata(
             context_window=context_window,
-            num_output=self.max_new_tokens,
-            is_chat_model=True,
-            is_function_calling_model=True,
+            # The room LlamaIndex's prompt helper keeps for the answer; with no limit set,
+            # LlamaIndex's own default.
+            num_output=self.max_new_tokens or DEFAULT_NUM_OUTPUTS,
+            is_chat_model=self.is_chat_model,
+            is_function_calling_model=self.is_function_calling_model,
             model_name=model_name,
         )
 
     # ---------------------------------------------------------------- requests
-    def _sampling_params(self, kwargs: dict[str, Any], stream: bool = False) -> SamplingParams:
+    def _sampling_params(
+        self, kwargs: dict[str, Any], defaults: dict[str, Any] | None = None, stream: bool = False
+    ) -> SamplingParams:
         unknown = set(kwargs) - _SAMPLING_NAMES - _CALL_KWARGS - _FRAMEWORK_KWARGS
         if unknown:
             raise ValueError(
                 f"unknown argument(s) {sorted(unknown)}; sampling parameters are "
                 f"{sorted(_SAMPLING_NAMES)}, plus tools and tool_choice for chat"
             )
-        values: dict[str, Any] = {
+        instance = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
             "max_tokens": self.max_new_tokens,
         }
-        values.update(self.sampling_kwargs)
-        values.update({k: v for k, v in kwargs.items() if k in _SAMPLING_NAMES})
-        if "max_new_tokens" in kwargs:
-            values["max_tokens"] = kwargs["max_new_tokens"]
-        # The instance's stop strings always apply; a call's own are added to them.
-        call_stop = values.get("stop") or []
-        call_stop = [call_stop] if isinstance(call_stop, str) else list(call_stop)
-        values["stop"] = [*(self.stop or []), *call_stop]
-        if values.get("n", 1) != 1:
+        call = {k: v for k, v in kwargs.items() if k in _SAMPLING_NAMES}
+        if kwargs.get("max_new_tokens") is not None:
+            call["max_tokens"] = kwargs["max_new_tokens"]
+        if defaults is None:
+            defaults = self._get_engine().model_info.generation_defaults
+        params = build_sampling_params(
+            defaults,
+            instance,
+            self.sampling_kwargs,
+            call,
+            # The instance's stop strings always apply; a call's own are added to them.
+            stop=merge_stops(self.stop, self.sampling_kwargs.get("stop"), call.get("stop")),
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+        if params.n != 1:
             raise ValueError("n must be 1 here: LlamaIndex takes one answer; call again for more")
-        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        return SamplingParams.from_kwargs(output_kind=kind, **values)
+        return params
+
+    def _options(self, kwargs: dict[str, Any]) -> ChatOptions:
+        """The call's tools and structure; json_mode makes any JSON object the default."""
+        default = StructuredOutputsParams(json_object=True) if self.json_mode else None
+        return ChatOptions.pop_from(dict(kwargs), default)
 
     def _chat_request(
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], stream: bool
-    ) -> tuple[PromptType, SamplingParams, list[dict] | None]:
-        """The prompt for a conversation, its sampling params and the tools it offers."""
-        tools = kwargs.get("tools") or None
-        tool_choice = kwargs.get("tool_choice")
-        params = self._sampling_params(kwargs, stream)
+    ) -> tuple[PromptType, SamplingParams, ToolPlan]:
+        """The prompt for a conversation, its sampling params and its tool plan."""
+        params = self._sampling_params(kwargs, stream=stream)
+        options = self._options(kwargs)
         to_prompt = self.messages_to_prompt
         if to_prompt is not None and to_prompt is not generic_messages_to_prompt:
             # The user's own formatting wins over the model's chat template.
-            return to_prompt(messages), params, tools
-        tokenizer = self.engine.tokenizer
-        tool_format = self.engine.engine.tool_format
-        text = render_chat_prompt(
-            tokenizer,
-            to_openai_messages(messages),
-            tools=tools,
-            tool_choice=tool_choice,
-            tool_format=tool_format,
-        )
-        if tools and params.structured_outputs is None:
-            parallel = bool(kwargs.get("parallel_tool_calls"))
-            constraint = tool_call_constraint(
-                tools, tool_choice, parallel_tool_calls=parallel, tool_format=tool_format
-            )
-            if constraint is not None:  # "required" or a named tool: force a valid call
-                params = params.clone(structured_outputs=constraint)
-        # The template already holds any BOS token: the tokenizer must not add another.
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        return {"prompt_token_ids": ids}, params, tools
+            plan = options.plan(self.engine.tool_format)
+            return to_prompt(messages), params.clone(structured_outputs=plan.constraint), plan
+        prompt = prepare_chat(self.engine, to_openai_messages(messages), params, options)
+        return prompt.engine_prompt, prompt.params, prompt.plan
 
     def _completion_request(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any], stream: bool
-    ) -> tuple[PromptType, SamplingParams, None]:
+    ) -> tuple[PromptType, SamplingParams, ToolPlan]:
         if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
-        return prompt, self._sampling_params(kwargs, stream), None
+        plan = plan_tools(None, None, self._options(kwargs).structured)
+        params = self._sampling_params(kwargs, stream=stream)
+        return prompt, params.clone(structured_outputs=plan.constraint), plan
 
-    def _start(self, request: tuple) -> tuple[Iterator[RequestOutput], list[dict] | None]:
+    def _start(self, request: tuple) -> tuple[Iterator[RequestOutput], CallState]:
         """Submit now (bad input raises here, in the caller); outputs as they come."""
-        prompt, params, tools = request
-        stream = self.engine.add_request(prompt, params)
-        return follow(self.engine, stream), tools
+        prompt, params, plan = request
+        group = self.engine.process_inputs(prompt, params)
+        return iter_outputs(self.engine, group, self.timeout), CallState(params, plan)
 
     async def _astart(
         self, build: Callable[..., tuple], *args: Any
-    ) -> tuple[AsyncIterator[RequestOutput], list[dict] | None]:
+    ) -> tuple[AsyncIterator[RequestOutput], CallState]:
         """Like _start, but the template, tokenizer and grammar compiler (a first JSON schema
         takes a second or two) run on a worker thread, never on the event loop."""
         engine = await self._aengine()
 
-        def prepare() -> tuple[Any, list[dict] | None]:
-            prompt, params, tools = build(*args)
-            return engine.engine.process_inputs(prompt, params), tools
+        def prepare() -> tuple[Any, CallState]:
+            prompt, params, plan = build(*args)
+            return engine.process_inputs(prompt, params), CallState(params, plan)
 
-        group, tools = await asyncio.to_thread(prepare)
-        stream = engine.submit(group, loop=asyncio.get_running_loop())
-        return afollow(engine, stream), tools
+        group, call = await asyncio.to_thread(prepare)
+        return aiter_outputs(engine, group, self.timeout), call
 
     # -------------------------------------------------------------- completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        outputs, _ = self._start(self._completion_request(prompt, formatted, kwargs, False))
-        return completion_response(last(outputs))
+        outputs, call = self._start(self._completion_request(prompt, formatted, kwargs, False))
+        return completion_response(last(outputs), call)
 
     @llm_completion_callback()
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
-        outputs, _ = self._start(self._completion_request(prompt, formatted, kwargs, True))
-        deltas = Deltas()
-        return (completion_response(output, deltas) for output in outputs)
+        outputs, call = self._start(self._completion_request(prompt, formatted, kwargs, True))
+        return (completion_response(output, call, streaming=True) for output in outputs)
 
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        outputs, _ = await self._astart(self._completion_request, prompt, formatted, kwargs, False)
-        return completion_response(await alast(outputs))
+        outputs, call = await self._astart(
+            self._completion_request, prompt, formatted, kwargs, False
+        )
+        return completion_response(await alast(outputs), call)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        outputs, _ = await self._astart(self._completion_request, prompt, formatted, kwargs, True)
-        deltas = Deltas()
-        return (completion_response(output, deltas) async for output in outputs)
+        outputs, call = await self._astart(
+            self._completion_request, prompt, formatted, kwargs, True
+        )
+        return (completion_response(output, call, streaming=True) async for output in outputs)
 
     # -------------------------------------------------------------------- chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        outputs, tools = self._start(self._chat_request(messages, kwargs, False))
-        return chat_response(last(outputs), tools, None, self.engine.engine.tool_format)
+        outputs, call = self._start(self._chat_request(messages, kwargs, False))
+        return chat_response(last(outputs), call)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        outputs, tools = self._start(self._chat_request(messages, kwargs, True))
-        deltas = Deltas()
-        fmt = self.engine.engine.tool_format
-        return (chat_response(output, tools, deltas, fmt) for output in outputs)
+        outputs, call = self._start(self._chat_request(messages, kwargs, True))
+        return (chat_response(output, call, streaming=True) for output in outputs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        outputs, tools = await self._astart(self._chat_request, messages, kwargs, False)
-        return chat_response(await alast(outputs), tools, None, self.engine.engine.tool_format)
+        outputs, call = await self._astart(self._chat_request, messages, kwargs, False)
+        return chat_response(await alast(outputs), call)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        outputs, tools = await self._astart(self._chat_request, messages, kwargs, True)
-        deltas = Deltas()
-        fmt = self.engine.engine.tool_format
-        return (chat_response(output, tools, deltas, fmt) async for output in outputs)
+        outputs, call = await self._astart(self._chat_request, messages, kwargs, True)
+        return (chat_response(output, call, streaming=True) async for output in outputs)
 
     # -------------------------------------------------------- function calling
     def _prepare_chat_with_tools(
@@ -372,13 +379,7 @@ class PagedLlamaIndexLLM(FunctionCallingLLM):
         return self._get_messages(prompt, **args), kwargs
 
     def _structured_result(self, output_cls: type[BaseModel], response: ChatResponse) -> Any:
-        raw = response.raw or {}
-        if raw.get("finish_reason") == "length":
-            raise ValueError(
-                f"the {output_cls.__name__} JSON was cut off after max_new_tokens="
-                f"{raw['usage']['completion_tokens']} tokens; raise max_new_tokens "
-                "(or bound the schema's strings with max_length)"
-            )
+        # A cut-off document raised IncompleteOutputError in chat(): this one is whole.
         result = output_cls.model_validate_json(response.message.content or "")
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result

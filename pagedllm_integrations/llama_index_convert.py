@@ -1,11 +1,10 @@
 """Conversions for PagedLlamaIndexLLM: LlamaIndex messages to OpenAI chat dicts (what the chat
-template and the tool-call code read), engine outputs to LlamaIndex responses, and the
-streams between them (abandoning one aborts its request)."""
+layer reads), and the chat layer's reading of engine outputs to LlamaIndex responses."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -20,9 +19,13 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.program.utils import process_streaming_objects
 
-from .engine.async_engine import AsyncEngine, RequestStream
-from .engine.outputs import RequestOutput
-from .engine.tool_calls import new_call_id, parse_tool_calls
+from .chat.logprobs import chat_logprobs
+from .chat.outputs import ChatChoice, Usage, check_complete, read_choice
+from .chat.stream import ChoiceStream
+from .chat.tool_choice import ToolPlan
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import SamplingParams
+from .engine.tool_calls import new_call_id
 
 # LlamaIndex roles that chat templates know under another name.
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
@@ -130,95 +133,96 @@ def _as_kwargs(arguments: dict | str) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------- responses out
-class Deltas:
-    """Adds up a DELTA stream: the text so far and how many tokens were generated."""
+class CallState:
+    """One call's settings and tool plan, and for a stream the choice being streamed."""
 
-    def __init__(self) -> None:
-        self.text = ""
-        self.num_tokens = 0
+    def __init__(self, params: SamplingParams, plan: ToolPlan):
+        self.params = params
+        self.plan = plan
+        self.stream = ChoiceStream(plan)
 
-    def add(self, output: RequestOutput) -> str:
-        completion = output.outputs[0]
-        self.text += completion.text
-        self.num_tokens += len(completion.token_ids)
-        return completion.text
+    def check(self, choice: ChatChoice, finish_reason: str | None, num_tokens: int) -> None:
+        """IncompleteOutputError when a forced call / structured output was cut off."""
+        check_complete(self.plan, choice, finish_reason, num_tokens, self.params.max_tokens)
 
 
-def raw_info(output: RequestOutput, generated: int) -> dict[str, Any]:
+def raw_info(output: RequestOutput, finish_reason: str | None, generated: int) -> dict[str, Any]:
     """`raw` of a response: the request id, and once it ends: finish reason, token usage
     (OpenAI's names) and the prompt tokens the prefix cache served."""
     raw: dict[str, Any] = {"request_id": output.request_id}
     if output.finished:
-        prompt_tokens = len(output.prompt_token_ids)
-        raw["finish_reason"] = output.outputs[0].finish_reason
-        raw["num_cached_tokens"] = output.num_cached_tokens
-        raw["usage"] = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": generated,
-            "total_tokens": prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
-        }
+        usage = Usage.of([output], completion_tokens=generated)
+        raw["finish_reason"] = finish_reason
+        raw["num_cached_tokens"] = usage.cached_tokens
+        raw["usage"] = usage.to_openai()
     return raw
 
 
-def _logprobs(output: RequestOutput) -> list[list[LogProb]] | None:
-    entries = output.outputs[0].logprobs
-    if entries is None:
+def _logprobs(completion: CompletionOutput, top: int | None) -> list[list[LogProb]] | None:
+    """Per token: the top candidates (or the sampled token alone when none were asked)."""
+    if completion.logprobs is None or top is None:
         return None
     return [
-        [
-            LogProb(token=lp.decoded_token or "", logprob=lp.logprob)
-            for lp in sorted(position.values(), key=lambda lp: lp.rank)
-        ]
-        for position in entries
+        [LogProb(token=t["token"], logprob=t["logprob"]) for t in position["top_logprobs"]]
+        or [LogProb(token=position["token"], logprob=position["logprob"])]
+        for position in chat_logprobs(completion.token_ids, completion.logprobs, top)
     ]
 
 
-def completion_response(output: RequestOutput, deltas: Deltas | None = None) -> CompletionResponse:
-    """A whole completion (deltas None) or one streamed chunk of it."""
-    if deltas is None:
-        completion = output.outputs[0]
+def completion_response(
+    output: RequestOutput, call: CallState, streaming: bool = False
+) -> CompletionResponse:
+    """A whole completion or one streamed chunk of it."""
+    completion = output.outputs[0]
+    stream = call.stream if streaming else None
+    if stream is None:
         text, delta, generated = completion.text, None, len(completion.token_ids)
     else:
-        delta = deltas.add(output)
-        text, generated = deltas.text, deltas.num_tokens
+        delta = stream.feed(completion).text
+        text, generated = stream.content, stream.num_tokens
+    if output.finished:
+        call.check(ChatChoice(text), completion.finish_reason, generated)
     return CompletionResponse(
-        text=text, delta=delta, raw=raw_info(output, generated), logprobs=_logprobs(output)
+        text=text,
+        delta=delta,
+        raw=raw_info(output, completion.finish_reason, generated),
+        logprobs=_logprobs(completion, call.params.logprobs),
     )
 
 
-def chat_response(
-    output: RequestOutput,
-    tools: list[dict] | None,
-    deltas: Deltas | None = None,
-    tool_format: Any = None,
-) -> ChatResponse:
+def chat_response(output: RequestOutput, call: CallState, streaming: bool = False) -> ChatResponse:
     """An assistant message (whole, or one streamed chunk). When tools were on offer, the
     final one carries the parsed calls as ToolCallBlocks and as OpenAI-style
-    additional_kwargs["tool_calls"], and its text is what is left besides them."""
-    if deltas is None:
-        completion = output.outputs[0]
-        text, delta, generated = completion.text, None, len(completion.token_ids)
+    additional_kwargs["tool_calls"], and its text is what is left besides them; while
+    streaming, text that may be a call is held back until the end."""
+    completion = output.outputs[0]
+    stream = call.stream if streaming else None
+    if stream is None:
+        choice = read_choice(completion.text, completion.finish_reason, call.plan)
+        delta, generated = None, len(completion.token_ids)
     else:
-        delta = deltas.add(output)
-        text, generated = deltas.text, deltas.num_tokens
+        step = stream.feed(completion)
+        delta, generated = step.text, stream.num_tokens
+        choice = step.done or ChatChoice(stream.content)
+    if output.finished:
+        call.check(choice, completion.finish_reason, generated)
     additional: dict[str, Any] = {}
-    blocks: list[Any] = []
-    if tools and output.finished:
-        text, calls = parse_tool_calls(text, tools, tool_format)
-        blocks = [
-            ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
-            for c in calls
-        ]
-        if calls:
-            additional["tool_calls"] = [c.to_openai() for c in calls]
+    if choice.tool_calls:
+        additional["tool_calls"] = [c.to_openai() for c in choice.tool_calls]
+    blocks = [
+        ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
+        for c in choice.tool_calls
+    ]
     message = ChatMessage(
         role=MessageRole.ASSISTANT,
-        blocks=[TextBlock(text=text), *blocks],
+        blocks=[TextBlock(text=choice.content), *blocks],
         additional_kwargs=additional,
     )
     return ChatResponse(
-        message=message, delta=delta, raw=raw_info(output, generated), logprobs=_logprobs(output)
+        message=message,
+        delta=delta,
+        raw=raw_info(output, choice.finish_reason, generated),
+        logprobs=_logprobs(completion, call.params.logprobs),
     )
 
 
@@ -236,37 +240,3 @@ class PartialObject:
         )
         self.current = [obj]
         return obj
-
-
-def follow(engine: AsyncEngine, stream: RequestStream) -> Iterator[RequestOutput]:
-    """A request's outputs; abandoning the iterator aborts the request."""
-    try:
-        yield from stream
-    finally:
-        if not stream.finished:
-            engine.abort(stream.request_id)
-
-
-async def afollow(engine: AsyncEngine, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-    try:
-        async for output in stream:
-            yield output
-    finally:
-        if not stream.finished:
-            engine.abort(stream.request_id)
-
-
-def last(outputs: Iterator[RequestOutput]) -> RequestOutput:
-    final = None
-    for output in outputs:
-        final = output
-    assert final is not None, "a request always ends with a final output"
-    return final
-
-
-async def alast(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = None
-    async for output in outputs:
-        final = output
-    assert final is not None, "a request always ends with a final output"
-    return final

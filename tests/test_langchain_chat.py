@@ -21,12 +21,10 @@ from langchain_core.messages import (
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
+from pagedllm_integrations.chat.stream import ToolCallGate
 from pagedllm_integrations.engine.tool_calls import CALL_OPEN, render_chat_prompt
 from pagedllm_integrations.langchain import ChatPagedLLM, PagedLLM
-from pagedllm_integrations.langchain_messages import (
-    ToolCallGate,
-    to_openai_messages,
-)
+from pagedllm_integrations.langchain_messages import to_openai_messages
 
 ENGINE = {"max_model_len": 2048, "kv_cache_memory": 256 << 20}
 
@@ -177,7 +175,7 @@ def test_named_and_none_tool_choice(chat: ChatPagedLLM) -> None:
     assert as_dict.invoke("Hello!").tool_calls[0]["name"] == "multiply"
     none = chat.bind_tools([multiply], tool_choice="none").invoke("What is 6 times 7?")
     assert none.tool_calls == [] and none.content
-    with pytest.raises(ValueError, match="bound tools"):
+    with pytest.raises(ValueError, match=r"names tool .divide., but the tools given"):
         chat.bind_tools([multiply], tool_choice="divide")
 
 

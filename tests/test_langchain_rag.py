@@ -49,7 +49,7 @@ def test_rag_chain_reads_the_shared_system_prompt_from_the_prefix_cache(rag) -> 
     assert engine.reset_prefix_cache()  # start cold: nothing else shares our prefix
     system_tokens = len(
         engine.tokenizer(
-            engine.engine.apply_chat_template(
+            engine.apply_chat_template(
                 [{"role": "system", "content": rag.SYSTEM_PROMPT}], add_generation_prompt=False
             ),
             add_special_tokens=False,

@@ -7,6 +7,7 @@ the replica-kill test runs last and also checks that the replacement serves agai
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -15,18 +16,25 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedllm_integrations import SamplingParams  # noqa: E402
-from pagedllm_integrations.engine.async_engine import (  # noqa: E402
-    AsyncEngine,
-    shared_engine,
-    shutdown_shared_engines,
-)
+from pagedllm_integrations.engine.async_engine import AsyncEngine  # noqa: E402
 from pagedllm_integrations.engine.config import EngineConfig  # noqa: E402
 from pagedllm_integrations.engine.distributed.ray_replicas import RayReplicaEngine  # noqa: E402
 from pagedllm_integrations.engine.distributed.router import (  # noqa: E402
     PrefixAwareRouter,
     prefix_block_hashes,
 )
-from pagedllm_integrations.engine.sampling_params import RequestOutputKind  # noqa: E402
+from pagedllm_integrations.engine.factory import (  # noqa: E402
+    shared_engine,
+    shutdown_shared_engines,
+)
+from pagedllm_integrations.engine.sampling_params import (  # noqa: E402
+    RequestOutputKind,
+    StructuredOutputsParams,
+)
+from pagedllm_integrations.engine.tool_calls import (  # noqa: E402
+    parse_tool_calls,
+    tool_call_constraint,
+)
 
 PROMPTS = [
     "The capital of France is",
@@ -125,6 +133,36 @@ def test_async_streaming_and_validation(replicas, reference):
     assert chunks > 1  # streamed, not one final output
     with pytest.raises(ValueError, match="max_model_len"):
         replicas.add_request("word " * 600, SamplingParams(max_tokens=4))
+
+
+def test_structured_outputs_and_forced_tool_calls_through_replicas(replicas, tiny_llama_dir):
+    """Constrained requests are compiled on the driver (issue 16: a model-less front used
+    to miss the grammar compiler's lock and raise AttributeError). Replicas must decode
+    them exactly as one in-process engine does."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {}}}]
+    constraints = [
+        StructuredOutputsParams(json=schema),
+        StructuredOutputsParams(choice=["yes", "no"]),
+        tool_call_constraint(tools, "required"),
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, structured_outputs=c) for c in constraints
+    ]
+    got = [replicas.add_request(PROMPTS[0], p).result().outputs[0] for p in params]
+    with AsyncEngine(_config(tiny_llama_dir)) as single:
+        want = [single.add_request(PROMPTS[0], p).result().outputs[0] for p in params]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    if got[0].finish_reason == "stop":  # the random model may pad with JSON white space
+        assert set(json.loads(got[0].text)) == {"ok", "n"}
+    assert got[1].text in ("yes", "no") and got[1].finish_reason == "stop"
+    _, calls = parse_tool_calls(got[2].text, tools)
+    assert [(c.name, c.arguments) for c in calls] == [("ping", {})]
 
 
 def _consume(stream, kind, sink: dict, progress: threading.Event, key: int) -> None:

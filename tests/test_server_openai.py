@@ -51,7 +51,7 @@ def offline(engine, prompt, **params):
 
 
 def chat_ids(engine, messages) -> list[int]:
-    text = engine.engine.apply_chat_template(messages)
+    text = engine.apply_chat_template(messages)
     return engine.tokenizer(text, add_special_tokens=False).input_ids
 
 

@@ -69,15 +69,17 @@ class ReplicaActor:
         self.engine.add_stat_logger(self.stats)
 
     def info(self) -> dict[str, Any]:
-        core = self.engine.engine
+        model = self.engine.model_info
         return {
             "index": self.index,
-            "model_name": core.model_name,
-            "max_model_len": core.max_model_len,
-            "vocab_size": core.vocab_size,
-            "eos_token_ids": list(core.eos_token_ids),
-            "block_size": core.config.block_size,
-            "num_blocks": core.num_blocks,
+            "model_name": model.name,
+            "max_model_len": model.max_model_len,
+            "vocab_size": model.vocab_size,
+            "eos_token_ids": list(model.eos_token_ids),
+            "block_size": model.block_size,
+            "architecture": model.architecture,
+            "generation_defaults": dict(model.generation_defaults),
+            "num_blocks": self.engine.num_total_blocks(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
@@ -140,7 +142,7 @@ class ReplicaActor:
     # Methods that wait for the engine thread run off the actor's event loop, so that the
     # streams of the other requests keep flowing meanwhile.
     async def scheduler_stats(self) -> SchedulerStats:
-        return await asyncio.to_thread(self.engine.call, self.engine.engine.scheduler_stats)
+        return await asyncio.to_thread(self.engine.scheduler_stats)
 
     def drain_stats(self) -> list[tuple[SchedulerStats, IterationStats]]:
         return self.stats.drain()

@@ -1,7 +1,7 @@
-"""Data-parallel replicas on Ray behind the AsyncEngine surface the integrations use.
+"""Data-parallel replicas on Ray behind the `EngineClient` surface every front end uses.
 
     caller threads / event loops
-      RayReplicaEngine.add_request -> validate + tokenize here (like AsyncEngine)
+      RayReplicaEngine.add_request -> validate + tokenize here (InputProcessor, as AsyncEngine)
         client event-loop thread: PrefixAwareRouter picks a replica
           ReplicaActor.generate (num_returns="streaming") -> lists of RequestOutputs
         -> the caller's RequestStream (sync or async iteration, .result())
@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 
-from ..async_engine import AsyncEngine, EngineDeadError, RequestError, RequestStream
+from ..async_engine import EngineDeadError, RequestError, RequestStream
+from ..client import EngineClient, ModelInfo
 from ..config import EngineConfig
-from ..llm_engine import LLMEngine, RequestGroup
+from ..input_processor import InputProcessor
 from ..metrics import SchedulerStats
+from ..output_processor import RequestGroup
 from .ray_actor import ReplicaActor, ReplicaFailure
 from .replica_job import ReplicaJob
 from .router import PrefixAwareRouter
@@ -48,48 +50,6 @@ def _ray():
             "data-parallel replicas need Ray: pip install 'ray>=2.40' on every node"
         ) from error
     return ray
-
-
-class _Front(LLMEngine):
-    """The driver-side half of `engine.engine`: validation, tokenization, chat templates.
-
-    It reuses LLMEngine's request checks (process_inputs) without a model; the facts those
-    need (vocabulary, context length, EOS ids) come from a replica.
-    """
-
-    def __init__(self, owner: RayReplicaEngine, config: EngineConfig, info: dict, tokenizer):
-        self.config = config
-        self.tokenizer = tokenizer
-        self.model_name = info["model_name"]
-        self.max_model_len = info["max_model_len"]
-        self.vocab_size = info["vocab_size"]
-        self.eos_token_ids = tuple(info["eos_token_ids"])
-        self.device = torch.device("cpu")  # seeded generators live here only until sent
-        self._structured = None
-        self.stat_loggers: list = []
-        self.groups: dict = {}
-        self._owner = owner
-
-    @property
-    def counters(self):
-        return self._owner.counters
-
-    def scheduler_stats(self) -> SchedulerStats:
-        """Every live replica's scheduler stats, summed (KV usage averaged)."""
-        stats = self._owner._on_replicas("scheduler_stats")
-        total = SchedulerStats()
-        for s in stats:
-            for f in dataclasses.fields(SchedulerStats):
-                if f.name != "kv_cache_usage":
-                    setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
-        total.kv_cache_usage = sum(s.kv_cache_usage for s in stats) / max(len(stats), 1)
-        return total
-
-    def reset_prefix_cache(self) -> bool:
-        return all(self._owner._on_replicas("reset_prefix_cache"))
-
-    def shutdown(self) -> None:
-        pass
 
 
 class ReplicaCounters:
@@ -123,8 +83,10 @@ class _Replica:
     info: dict
 
 
-class RayReplicaEngine(AsyncEngine):
-    """`config.data_parallel_size` engines as Ray actors, used like one AsyncEngine."""
+class RayReplicaEngine(EngineClient):
+    """`config.data_parallel_size` engines as Ray actors, used like one AsyncEngine (an
+    `EngineClient`). Requests are validated and tokenized here, on the caller's thread,
+    with the model facts a replica reports; the model itself lives only in the replicas."""
 
     def __init__(
         self,
@@ -186,7 +148,19 @@ class RayReplicaEngine(AsyncEngine):
         self.router = PrefixAwareRouter(
             self.num_replicas, block_size=infos[0]["block_size"], policy=router_policy
         )
-        self.engine = _Front(self, config, infos[0], tokenizer)
+        first = infos[0]
+        info = ModelInfo(
+            name=first["model_name"],
+            max_model_len=first["max_model_len"],
+            vocab_size=first["vocab_size"],
+            eos_token_ids=tuple(first["eos_token_ids"]),
+            block_size=first["block_size"],
+            architecture=first.get("architecture"),
+            generation_defaults=dict(first.get("generation_defaults") or {}),
+        )
+        # Seeded requests' generators are made here (CPU) and travel with the request.
+        self._inputs = InputProcessor(config, tokenizer, info, torch.device("cpu"))
+        self._stat_loggers: list = []
         self._counters = ReplicaCounters(self)
         self._loop = asyncio.new_event_loop()
         self._available = asyncio.Event()
@@ -200,20 +174,34 @@ class RayReplicaEngine(AsyncEngine):
         logger.info(
             "%d Ray replicas of %s on %s",
             self.num_replicas,
-            self.engine.model_name,
-            sorted({info["host"] for info in infos}),
+            info.name,
+            sorted({i["host"] for i in infos}),
         )
 
-    # ------------------------------------------------------------- properties
+    # ------------------------------------------------------------------ state
     @property
     def counters(self) -> ReplicaCounters:
         return self._counters
 
+    def scheduler_stats(self) -> SchedulerStats:
+        """Every live replica's scheduler stats, summed (KV usage averaged)."""
+        return _sum_stats(self._on_replicas("scheduler_stats"))
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self._on_replicas("reset_prefix_cache"))
+
+    def num_total_blocks(self) -> int:
+        return sum(r.info["num_blocks"] for r in self._replicas)
+
     def add_stat_logger(self, stat_logger) -> None:
         """Registered loggers get every replica's steps, polled once a second."""
-        self.engine.stat_loggers.append(stat_logger)
-        if len(self.engine.stat_loggers) == 1:
+        self._stat_loggers.append(stat_logger)
+        if len(self._stat_loggers) == 1:
             asyncio.run_coroutine_threadsafe(self._forward_stats(), self._loop)
+
+    def remove_stat_logger(self, stat_logger) -> None:
+        if stat_logger in self._stat_loggers:
+            self._stat_loggers.remove(stat_logger)
 
     def _on_replicas(self, method: str, timeout: float = 60.0) -> list:
         """Call a method on every live replica and wait (any thread but the client's)."""
@@ -231,9 +219,6 @@ class RayReplicaEngine(AsyncEngine):
 
     def num_free_blocks(self) -> int:
         return sum(self._on_replicas("num_free_blocks"))
-
-    def call(self, fn):
-        return fn()
 
     def submit_many(self, groups, loop=None, sink=None) -> list[RequestStream]:
         return [self.submit(group, loop=loop, sink=sink) for group in groups]
@@ -308,7 +293,7 @@ class RayReplicaEngine(AsyncEngine):
                     if job.aborted:
                         self._finish(job, job.abort_output())
                         return
-                    reason = job.prepare_retry(self.engine.tokenizer)
+                    reason = job.prepare_retry(self.tokenizer)
                     if reason is not None:
                         self._finish(job, RequestError(f"request {job.request_id} failed: its "
                                                        f"replica died and {reason}"))  # fmt: skip
@@ -401,14 +386,10 @@ class RayReplicaEngine(AsyncEngine):
             latest = [items[-1][0] for items in drained if items]
             if not latest:
                 continue
-            total = SchedulerStats()
-            for s in latest:
-                for f in dataclasses.fields(SchedulerStats):
-                    setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
-            total.kv_cache_usage /= len(latest)
+            total = _sum_stats(latest)
             for items in drained:
                 for _, iteration in items:
-                    for stat_logger in list(self.engine.stat_loggers):
+                    for stat_logger in list(self._stat_loggers):
                         stat_logger.record(total, iteration)
 
     # ---------------------------------------------------------------- shutdown
@@ -430,3 +411,14 @@ class RayReplicaEngine(AsyncEngine):
         _live_engines.discard(id(self))
         if self._owns_ray and not _live_engines and ray.is_initialized():
             ray.shutdown()
+
+
+def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """The replicas' scheduler stats added up; KV-cache usage is their mean."""
+    total = SchedulerStats()
+    for s in stats:
+        for f in dataclasses.fields(SchedulerStats):
+            if f.name != "kv_cache_usage":
+                setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
+    total.kv_cache_usage = sum(s.kv_cache_usage for s in stats) / max(len(stats), 1)
+    return total

@@ -1,6 +1,6 @@
 """One tensor-parallel rank: its model shard, its share of the KV cache, and the step loop.
 
-Ranks 1..k-1 run `worker_main` in spawned processes; rank 0 is the driver (`TPModelRunner`).
+Ranks 1..k-1 run `worker_main` in spawned processes; rank 0 is the driver (`TensorParallelExecutor`).
 Every step the driver broadcasts a small header (`broadcast_object_list`) and one packed
 int64 tensor of the flat batch (`broadcast`); each rank runs the same forward on its heads,
 and the row-parallel layers' all-reduces keep the hidden states identical on every rank.

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..engine.async_engine import AsyncEngine
+from ..engine.client import EngineClient
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, install_error_handlers
@@ -31,12 +31,12 @@ DEFAULT_MAX_QUEUE_LEN = 512
 _STATS_TIMEOUT_S = 5.0
 
 
-def engine_alive(engine: AsyncEngine) -> bool:
+def engine_alive(engine: EngineClient) -> bool:
     return engine.is_running
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
@@ -105,7 +105,7 @@ def create_app(
         if engine_alive(engine):
             try:
                 stats = await asyncio.wait_for(
-                    asyncio.to_thread(engine.call, engine.engine.scheduler_stats),
+                    asyncio.to_thread(engine.scheduler_stats),
                     _STATS_TIMEOUT_S,
                 )
                 metrics.update_scheduler(stats)

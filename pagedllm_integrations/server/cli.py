@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..engine.async_engine import create_engine
     from ..engine.config import EngineConfig
+    from ..engine.factory import create_engine
     from .app import create_app
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

@@ -9,10 +9,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.llm_engine import PromptType
+from ..chat.logprobs import completion_logprobs
+from ..chat.outputs import Usage
+from ..engine.client import PromptType
 from .errors import APIError, sse_error
 from .protocol import MAX_PROMPTS, CompletionRequest
-from .sampling import build_sampling_params, completion_logprobs, usage
+from .sampling import build_sampling_params
 from .serving import (
     SSE_DONE,
     ClientGone,
@@ -50,10 +52,10 @@ async def create_completion(
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
                        param="prompt")  # fmt: skip
     params = build_sampling_params(
+        state.engine.model_info,
         body,
         max_tokens=body.max_tokens,
         logprobs=body.logprobs,
-        vocab_size=state.engine.engine.vocab_size,
         stream=body.stream,
     )
     response_id = new_id("cmpl")
@@ -68,10 +70,8 @@ async def create_completion(
     except ClientGone:
         return Response(status_code=499)
     choices = []
-    completion_tokens = 0
     for prompt_index, final in enumerate(finals):
         for output in sorted(final.outputs, key=lambda o: o.index):
-            completion_tokens += len(output.token_ids)
             choices.append(
                 {
                     "index": prompt_index * body.n + output.index,
@@ -88,14 +88,15 @@ async def create_completion(
             "created": int(time.time()),
             "model": state.model_name,
             "choices": choices,
-            "usage": usage(
-                sum(len(f.prompt_token_ids) for f in finals),
-                completion_tokens,
-                sum(f.num_cached_tokens for f in finals),
-            ),
+            "usage": Usage.of(finals).to_openai(),
             "system_fingerprint": None,
         }
     )
+
+
+def _usage(prompt_tokens: list[int], generated: list[list[int]], cached: list[int]) -> dict:
+    """Usage of a stream over several prompts, from its running counts."""
+    return Usage(sum(prompt_tokens), sum(map(sum, generated)), sum(cached)).to_openai()
 
 
 def _echo_text(state: ServerState, prompt: PromptType) -> str:
@@ -164,9 +165,7 @@ async def _stream(
                 }
                 if include_usage:
                     chunk["usage"] = (
-                        usage(sum(prompt_tokens), sum(map(sum, generated)), sum(cached))
-                        if continuous
-                        else None
+                        _usage(prompt_tokens, generated, cached) if continuous else None
                     )
                 yield sse(chunk)
         if include_usage:
@@ -177,7 +176,7 @@ async def _stream(
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": usage(sum(prompt_tokens), sum(map(sum, generated)), sum(cached)),
+                    "usage": _usage(prompt_tokens, generated, cached),
                 }
             )
         yield SSE_DONE

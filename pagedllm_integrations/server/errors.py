@@ -101,8 +101,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, error: ValueError) -> JSONResponse:
-        # Every ValueError raised while handling a request comes from validating it.
-        return error_response(APIError(400, str(error), code="invalid_value"))
+        # Every ValueError raised while handling a request comes from validating it; the
+        # chat layer's errors name the field at fault.
+        param = getattr(error, "param", None)
+        return error_response(APIError(400, str(error), param=param, code="invalid_value"))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, error: EngineDeadError) -> JSONResponse:

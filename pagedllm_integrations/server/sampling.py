@@ -1,50 +1,53 @@
-"""OpenAI request fields -> `SamplingParams`, and engine logprobs -> OpenAI's logprob shapes."""
+"""OpenAI request fields -> `SamplingParams` and structured-output constraints."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..engine.outputs import Logprob
+from ..chat.sampling import build_sampling_params as build_params
+from ..engine.client import ModelInfo
 from ..engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from .errors import APIError
 from .protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 
 
 def build_sampling_params(
+    model: ModelInfo,
     body: CompletionRequest | ChatCompletionRequest,
     *,
     max_tokens: int | None,
     logprobs: int | None,
-    vocab_size: int,
     stream: bool,
-    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """Raises ValueError (a 400) for any value the engine would refuse."""
+    """Fields the request leaves out take the model's generation defaults (as vLLM's
+    server does), else vLLM's neutral values. Raises a 400 for any value the engine
+    would refuse."""
     if max_tokens is not None and max_tokens <= 0:
         raise APIError(400, f"max_tokens must be a positive integer, got {max_tokens}",
                        param="max_tokens", code="invalid_value")  # fmt: skip
-    return SamplingParams(
+    given = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "max_tokens": max_tokens,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+    }
+    return build_params(
+        model.generation_defaults,
+        given,
         n=body.n,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        min_p=0.0 if body.min_p is None else body.min_p,
         seed=body.seed,
-        max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         # Streams carry only what is new; a plain response needs only the end.
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        structured_outputs=structured,
-        logit_bias=_logit_bias(body.logit_bias, vocab_size),
+        logit_bias=_logit_bias(body.logit_bias, model.vocab_size),
     )
 
 
@@ -74,72 +77,3 @@ def response_format_constraint(fmt: ResponseFormat | None) -> StructuredOutputsP
         raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON schema)",
                        param="response_format")  # fmt: skip
     return StructuredOutputsParams(json=fmt.json_schema.json_schema)
-
-
-def _ranked(entry: dict[int, Logprob], top: int) -> list[tuple[int, Logprob]]:
-    """The `top` most likely tokens of one position, most likely first."""
-    return sorted(entry.items(), key=lambda item: item[1].rank)[:top]
-
-
-def _text(logprob: Logprob | None, token_id: int) -> str:
-    if logprob is None or logprob.decoded_token is None:
-        return f"<token {token_id}>"
-    return logprob.decoded_token
-
-
-def completion_logprobs(
-    token_ids: list[int], entries: list[dict[int, Logprob]], top: int, text_offset: int
-) -> dict[str, Any]:
-    """Legacy completions shape: parallel lists, text offsets counted from `text_offset`."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids, entries):
-        chosen = entry.get(token_id)
-        text = _text(chosen, token_id)
-        tokens.append(text)
-        token_logprobs.append(chosen.logprob if chosen is not None else None)
-        top_logprobs.append(
-            {_text(lp, tid): lp.logprob for tid, lp in _ranked(entry, top)} if top else None
-        )
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(
-    token_ids: list[int], entries: list[dict[int, Logprob]], top: int
-) -> list[dict[str, Any]]:
-    """Chat shape: the `content` list of {token, logprob, bytes, top_logprobs}."""
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        chosen = entry.get(token_id)
-        text = _text(chosen, token_id)
-        content.append(
-            {
-                "token": text,
-                "logprob": chosen.logprob if chosen is not None else -9999.0,
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {
-                        "token": _text(lp, tid),
-                        "logprob": lp.logprob,
-                        "bytes": list(_text(lp, tid).encode("utf-8")),
-                    }
-                    for tid, lp in _ranked(entry, top)
-                ],
-            }
-        )
-    return content
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }

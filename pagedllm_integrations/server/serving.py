@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from ..engine.async_engine import AsyncEngine, RequestStream
+from ..engine.async_engine import RequestStream
+from ..engine.client import EngineClient
 from ..engine.llm_engine import PromptType
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     metrics: PrometheusStatLogger
     max_queue_len: int | None
@@ -93,9 +94,7 @@ class ServerState:
 
     async def _process(self, prompt: PromptType, params: SamplingParams, request_id: str):
         try:
-            return await asyncio.to_thread(
-                self.engine.engine.process_inputs, prompt, params, request_id
-            )
+            return await asyncio.to_thread(self.engine.process_inputs, prompt, params, request_id)
         except ValueError:
             raise
         except Exception as error:

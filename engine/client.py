@@ -1,0 +1,217 @@
+"""The boundary between the front ends and the engine: `EngineClient`.
+
+LangChain, LlamaIndex, the OpenAI server, `LLM` and the CLI talk to an engine only through
+this interface (an abstract base class). Two classes implement it: `AsyncEngine` (one
+engine in this process, behind its thread) and `RayReplicaEngine` (data-parallel replicas
+on Ray). No front end reaches past it into `LLMEngine`, so a replica engine, which has no
+model in this process, serves every front end the same way.
+
+    front end ──> EngineClient ──> AsyncEngine ──> engine thread ──> LLMEngine
+                                └─> RayReplicaEngine ──> Ray actors ──> AsyncEngine each
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .async_engine import RequestStream
+    from .config import EngineConfig
+    from .input_processor import InputProcessor
+    from .metrics import SchedulerStats
+    from .output_processor import RequestGroup
+    from .outputs import RequestOutput
+    from .sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a front end may know about the served model, without touching it."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    # The Hugging Face architecture (Qwen3ForCausalLM, ...): picks the tool-call format when
+    # the chat template does not say.
+    architecture: str | None = None
+    # Sampling defaults from the model's generation_config.json (vLLM's
+    # `--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_tokens. Explicit settings always win over them.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineClient(ABC):
+    """Everything a front end may call on an engine, from any thread or event loop.
+
+    The model facts and request validation come from the implementation's
+    `InputProcessor` (`self._inputs`); add_request / generate / generate_sync / close are
+    built here on its primitives (`submit`, `abort`, `shutdown`), which it implements.
+    """
+
+    config: EngineConfig
+    _inputs: InputProcessor
+
+    # -------------------------------------------------------------- the model
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._inputs.info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._inputs.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._inputs.info.name
+
+    @property
+    def tool_format(self) -> Any:
+        """The tool-call markup this model was trained on (engine/tool_formats.py): what
+        the chat layer renders tools in, forces calls in and parses calls from."""
+        return self._inputs.tool_format
+
+    @property
+    def max_model_len(self) -> int:
+        return self._inputs.info.max_model_len
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The model's chat template applied to OpenAI-style messages (text, no tokens)."""
+        return self._inputs.apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+    def process_inputs(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestGroup:
+        """Tokenize and validate a request on the caller's thread (ValueError when bad);
+        hand the result to `submit`."""
+        return self._inputs.process_inputs(prompt, params, request_id, priority, cache_salt)
+
+    def add_request(
+        self: Any,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> RequestStream:
+        """Submit a request from any thread. Bad input raises ValueError here, in the caller."""
+        group = self.process_inputs(prompt, params, request_id, priority, cache_salt)
+        return self.submit(group, loop=loop, sink=sink)
+
+    async def generate(
+        self: Any,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs on the running event loop; aborts it if abandoned."""
+        stream = self.add_request(
+            prompt, params, request_id, priority, cache_salt, loop=asyncio.get_running_loop()
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def generate_sync(
+        self: Any,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Stream a request's outputs on this thread; aborts it if the iterator is dropped."""
+        stream = self.add_request(prompt, params, request_id, priority, cache_salt)
+        try:
+            yield from stream
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def close(self: Any) -> None:
+        """The same as `shutdown()`."""
+        self.shutdown()
+
+    def __enter__(self: Any) -> Any:
+        return self
+
+    def __exit__(self: Any, *exc: object) -> None:
+        self.shutdown()
+
+    # --------------------------------------------------- what each implements
+    @property
+    @abstractmethod
+    def is_running(self) -> bool:
+        """True while the engine serves requests (not shut down, not dead)."""
+
+    @abstractmethod
+    def submit(
+        self,
+        group: RequestGroup,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> RequestStream:
+        """Submit a request made by `process_inputs`; its outputs come on the stream (an
+        asyncio one when `loop` is given; into `sink` when given)."""
+
+    @abstractmethod
+    def submit_many(
+        self,
+        groups: list[RequestGroup],
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: queue.Queue | None = None,
+    ) -> list[RequestStream]:
+        """Submit requests together, so the scheduler sees them in one step."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End a request from any thread; its stream gets a final 'abort' output."""
+
+    @property
+    @abstractmethod
+    def counters(self) -> Any:
+        """Engine counters (`snapshot()` gives a dict)."""
+
+    @abstractmethod
+    def scheduler_stats(self) -> SchedulerStats: ...
+
+    @abstractmethod
+    def num_free_blocks(self) -> int: ...
+
+    @abstractmethod
+    def num_total_blocks(self) -> int: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def add_stat_logger(self, stat_logger: Any) -> None: ...
+
+    @abstractmethod
+    def remove_stat_logger(self, stat_logger: Any) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop serving and free the model's memory. Idempotent."""

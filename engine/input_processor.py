@@ -1,0 +1,161 @@
+"""Requests in: tokenize, validate and build the engine's `RequestGroup` (any thread).
+
+This is the half of the engine a caller runs on its own thread, so a bad request fails
+there with a ValueError, before it reaches the engine thread. It needs the tokenizer and a
+few facts about the model (`ModelInfo`), not the model itself: the in-process engine and
+the Ray replica engine (whose model lives in other processes) both use it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from .client import ModelInfo, PromptType
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .output_processor import RequestGroup
+from .request import Request
+from .sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any, info: ModelInfo, device: torch.device):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.info = info
+        self.device = device  # where seeded requests' generators live
+        self._structured = None
+        self._structured_lock = threading.Lock()
+        self._tool_format: Any = None
+
+    @property
+    def tool_format(self) -> Any:
+        """The tool-call format of this model, chosen once from its chat template (else its
+        architecture): see engine/tool_formats.py."""
+        if self._tool_format is None:
+            from .tool_formats import tool_format_for
+
+            self._tool_format = tool_format_for(self.tokenizer, self.info.architecture)
+        return self._tool_format
+
+    def process_inputs(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestGroup:
+        """Tokenize and validate one request (any thread); raises ValueError when it is bad.
+
+        With no params, the model's generation defaults (generation_config.json) apply on
+        top of SamplingParams' own defaults.
+        """
+        if params is None:
+            params = SamplingParams(**self.info.generation_defaults)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        max_model_len, vocab_size = self.info.max_model_len, self.info.vocab_size
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(token_ids) >= max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {max_model_len}; "
+                "the prompt and at least one generated token must fit"
+            )
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})"
+            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs {params.logprobs} exceeds max_logprobs {self.config.max_logprobs}"
+            )
+        params = params.clone(_eos_token_ids=self.info.eos_token_ids)
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self.structured_outputs.compile(params.structured_outputs)
+        request_id = request_id or uuid.uuid4().hex
+        now = time.monotonic()
+        children = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            seed = None if params.seed is None else params.seed + index
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed)
+            child = Request(
+                request_id=child_id,
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_time=now,
+                parent_id=request_id,
+                sample_index=index,
+                generator=generator,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            child.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=list(params.stop or []),
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            if compiled is not None:
+                child.structured = self.structured_outputs.new_matcher(compiled)
+            children.append(child)
+        return RequestGroup(
+            request_id, text, token_ids, params, children, now, sent=[(0, 0)] * params.n
+        )
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give at least one token")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    @property
+    def structured_outputs(self):
+        # Created on first use, from whichever caller thread submits a constrained request.
+        with self._structured_lock:
+            if self._structured is None:
+                from .structured_outputs import StructuredOutputManager
+
+                self._structured = StructuredOutputManager(
+                    self.tokenizer, self.info.vocab_size, stop_token_ids=self.info.eos_token_ids
+                )
+            return self._structured
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.info.name} has no chat template")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )

@@ -1,0 +1,19 @@
+"""The chat layer every front end shares: LangChain, LlamaIndex, the OpenAI server,
+`LLM.chat` and the CLI.
+
+    front end (its own types)          chat layer                        engine
+    ─────────────────────────  ──────────────────────────────────  ─────────────────
+    messages, tools, settings ─> prepare:  tool_choice, the one     EngineClient
+                                           tools/structure rule,  ─> .process_inputs
+                                           render + tokenize          .submit ...
+                                 sampling: defaults < settings < call
+    AIMessage / ChatResponse  <─ outputs:  tool calls, finish reason,
+    / OpenAI JSON                          cut-off check, usage
+                                 logprobs: OpenAI's shapes
+                                 stream:   tool-call gate, abort/timeout iterators
+
+Each front end keeps only the conversion between its framework's types and the OpenAI-style
+dicts used here; everything else exists once, below. The format of a tool call (how tools
+are written into a prompt, the grammar that forces a call, reading calls back) is the
+engine's (`engine/tool_calls.py`); this layer decides when and with what.
+"""

@@ -1,0 +1,129 @@
+"""A chat request, prepared: the conversation rendered by the model's chat template (tools
+described in it), tokenized, and its sampling settings with the tool plan's constraint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.client import EngineClient
+from ..engine.sampling_params import SamplingParams, StructuredOutputsParams
+from ..engine.tool_calls import render_chat_prompt
+from .errors import ChatRequestError
+from .tool_choice import ToolPlan, plan_tools
+
+
+@dataclass(slots=True)
+class ChatOptions:
+    """A chat call's tools and structure (OpenAI's names, which LangChain's bound kwargs and
+    LlamaIndex's chat kwargs share)."""
+
+    tools: list | None = None
+    tool_choice: Any = None
+    structured: StructuredOutputsParams | None = None
+    parallel_tool_calls: bool = False
+
+    @classmethod
+    def pop_from(cls, kwargs: dict[str, Any], default_structure: Any = None) -> ChatOptions:
+        """Take tools, tool_choice, structured_outputs and parallel_tool_calls out of a call's
+        keyword arguments; `default_structure` applies when the call gives none."""
+        structured = kwargs.pop("structured_outputs", None)
+        if structured is None:
+            structured = default_structure
+        if isinstance(structured, dict):
+            structured = StructuredOutputsParams(**structured)
+        return cls(
+            tools=kwargs.pop("tools", None) or None,
+            tool_choice=kwargs.pop("tool_choice", None),
+            structured=structured,
+            parallel_tool_calls=bool(kwargs.pop("parallel_tool_calls", False)),
+        )
+
+    def plan(self, tool_format: Any = None) -> ToolPlan:
+        """The tool plan of these options (see `plan_tools`), calls in `tool_format`'s markup
+        (the model's: `EngineClient.tool_format`)."""
+        return plan_tools(
+            self.tools, self.tool_choice, self.structured, self.parallel_tool_calls, tool_format
+        )
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    text: str  # the rendered prompt
+    token_ids: list[int]
+    params: SamplingParams  # with the plan's constraint (forced call or structured output)
+    plan: ToolPlan
+
+    @property
+    def engine_prompt(self) -> dict[str, list[int]]:
+        """What `EngineClient.process_inputs` takes: the ids (the template holds any BOS)."""
+        return {"prompt_token_ids": self.token_ids}
+
+
+def render_chat(
+    client: EngineClient,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    tool_choice: Any = "auto",
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text for OpenAI-style messages. ValueError when the template refuses the
+    conversation (its raise_exception, or a message shape it indexes into)."""
+    from jinja2 import TemplateError
+
+    try:
+        return render_chat_prompt(
+            client.tokenizer,
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
+            tool_format=client.tool_format,
+        )
+    except (TemplateError, TypeError, KeyError, IndexError) as error:
+        raise ChatRequestError(
+            f"the chat template rejected the messages: {error}", "messages"
+        ) from error
+
+
+def prompt_token_ids(client: EngineClient, text: str) -> list[int]:
+    """A rendered chat prompt's token ids; the template already holds any BOS token."""
+    return list(client.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def prepare_chat(
+    client: EngineClient,
+    messages: list[dict],
+    params: SamplingParams,
+    options: ChatOptions | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> ChatPrompt:
+    """Plan the tools, render and tokenize (any thread: the engine is not touched).
+
+    `params.structured_outputs` is replaced by the plan's constraint; give a structured
+    output in `options` so the tools/structure rule sees it.
+    """
+    plan = (options or ChatOptions()).plan(client.tool_format)
+    text = render_chat(
+        client,
+        messages,
+        plan.tools,
+        plan.tool_choice,
+        add_generation_prompt=add_generation_prompt,
+        template_kwargs=template_kwargs,
+    )
+    params = params.clone(structured_outputs=plan.constraint)
+    return ChatPrompt(text, prompt_token_ids(client, text), params, plan)
+
+
+def count_chat_tokens(client: EngineClient, messages: list[dict], tools: list | None = None) -> int:
+    """Tokens the conversation takes as a prompt (template, tools and generation prompt)."""
+    plan = plan_tools(tools, tool_format=client.tool_format)
+    return len(
+        prompt_token_ids(client, render_chat(client, messages, plan.tools, plan.tool_choice))
+    )
