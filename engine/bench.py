@@ -159,7 +159,7 @@ def _hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int) -> 
     return time.perf_counter() - started
 
 
-def run_hf_solo(model, workload: Workload, sample: int, pad_id: int) -> RunResult:
+def run_hf_solo(model, workload: Workload, sample: int, pad_id: int, label: str = "") -> RunResult:
     """One request at a time, timed on `sample` requests and extrapolated to the workload.
 
     A request alone costs its prefill (about proportional to its prompt) plus one decode
@@ -177,7 +177,7 @@ def run_hf_solo(model, workload: Workload, sample: int, pad_id: int) -> RunResul
     total_seconds = _extrapolate(timed, workload)
     n = len(workload.prompts)
     return RunResult(
-        "hf-solo",
+        f"hf-solo{label}",
         workload.name,
         total_seconds,
         n / total_seconds,
@@ -201,7 +201,9 @@ def _extrapolate(timed: list[tuple[int, int, float]], workload: Workload) -> flo
     return sum(t for _, _, t in timed) * workload.output_tokens / sampled_output
 
 
-def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> RunResult:
+def run_hf_static(
+    model, workload: Workload, batch_size: int, pad_id: int, label: str = ""
+) -> RunResult:
     seconds = 0.0
     for start in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[start : start + batch_size]
@@ -209,7 +211,7 @@ def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> Ru
         seconds += _hf_generate(model, prompts, longest, pad_id)
     n = len(workload.prompts)
     return RunResult(
-        f"hf-static-{batch_size}",
+        f"hf-static-{batch_size}{label}",
         workload.name,
         seconds,
         n / seconds,
@@ -231,13 +233,14 @@ class LoadedModel:
         return cls(engine.engine.model_folder, engine.engine.dtype, engine.engine.device)
 
 
-def load_hf_model(model: LoadedModel | AsyncEngine):
-    """The same weights in transformers (from a running engine or its LoadedModel)."""
+def load_hf_model(model: LoadedModel | AsyncEngine, dtype: torch.dtype | None = None):
+    """The same weights in transformers (from a running engine or its LoadedModel), in
+    `dtype` (default: the engine's activation dtype)."""
     from .gguf_loader import load_with_transformers
 
     if isinstance(model, AsyncEngine):
         model = LoadedModel.of(model)
-    return load_with_transformers(model.folder, dtype=model.dtype).eval()
+    return load_with_transformers(model.folder, dtype=dtype or model.dtype).eval()
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> None:
@@ -253,6 +256,13 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
         help="requests timed one at a time, the rest extrapolated (= --num-requests: all)",
     )
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--hf-dtypes",
+        default="float32",
+        help="time transformers in each of these dtypes, e.g. float32,bfloat16 (for a GGUF "
+        "file transformers keeps the weights packed and computes in float32, its fastest: "
+        "bf16 measured 1.7x slower on the default model)",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="time pagedllm only")
     parser.add_argument("--json", default="benchmarks/results/throughput.json")
     parser.add_argument("--seed", type=int, default=0)
@@ -287,10 +297,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     if not args.skip_hf:
-        hf_model = load_hf_model(loaded)
-        for workload in workloads:
-            results.append(run_hf_static(hf_model, workload, args.hf_batch_size, pad_id))
-            results.append(run_hf_solo(hf_model, workload, args.hf_solo_sample, pad_id))
+        for name in args.hf_dtypes.split(","):
+            dtype = getattr(torch, name)
+            hf_model = load_hf_model(loaded, dtype)
+            label = "" if dtype == torch.float32 else f" ({name})"
+            for workload in workloads:
+                results.append(run_hf_static(hf_model, workload, args.hf_batch_size, pad_id, label))
+                results.append(run_hf_solo(hf_model, workload, args.hf_solo_sample, pad_id, label))
+            del hf_model
     for workload in workloads:
         _print_table([r for r in results if r.workload == workload.name])
     report = {
