@@ -40,6 +40,9 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     block_size: int
+    # The Hugging Face architecture (Qwen3ForCausalLM, ...): picks the tool-call format when
+    # the chat template does not say.
+    architecture: str | None = None
     # Sampling defaults from the model's generation_config.json (vLLM's
     # `--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty,
     # max_tokens. Explicit settings always win over them.
@@ -69,6 +72,12 @@ class EngineClient(ABC):
     @property
     def model_name(self) -> str:
         return self._inputs.info.name
+
+    @property
+    def tool_format(self) -> Any:
+        """The tool-call markup this model was trained on (engine/tool_formats.py): what
+        the chat layer renders tools in, forces calls in and parses calls from."""
+        return self._inputs.tool_format
 
     @property
     def max_model_len(self) -> int:

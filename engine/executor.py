@@ -26,8 +26,9 @@ from .compute_plan import ComputePlan
 from .config import EngineConfig
 from .model_loader import iter_weights
 from .model_runner import ModelRunner, profile_kv_blocks
+from .models.config import ModelConfig
 from .models.layers import LinearFactory
-from .models.llama import LlamaConfig, LlamaForCausalLM
+from .models.registry import build_model
 from .scheduler import SchedulerOutput
 
 
@@ -109,7 +110,7 @@ def build_executor(
     config: EngineConfig,
     folder: Path,
     hf_config: dict[str, Any],
-    model_config: LlamaConfig,
+    model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
@@ -124,7 +125,7 @@ def build_executor(
             config, str(folder), hf_config, model_config, dtype, device, max_model_len,
             make_linear,
         )  # fmt: skip
-    model = LlamaForCausalLM(
+    model = build_model(
         model_config, dtype, device, max_model_len, make_linear, fused_cpu=plan.fused_cpu
     )
     model.load_weights(iter_weights(folder))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -28,23 +27,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MARKER = "gguf.json"
-_FOLDER_VERSION = "v2"  # v1 folders held dequantized float32 safetensors
-_GGUF_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+# v1 folders held dequantized float32 safetensors; v2 configs came from transformers alone,
+# v3 from gguf_arch's tables for the architectures transformers reads incompletely.
+_FOLDER_VERSION = "v3"
 _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
 
 
@@ -68,6 +53,10 @@ class GGUFTensor:
 
     def permute_rows(self, order: np.ndarray) -> GGUFTensor:
         return GGUFTensor(self.type_name, self.data[order], self.shape)
+
+    def rows(self, start: int, stop: int) -> GGUFTensor:
+        """Rows start..stop-1 (one expert of a stacked tensor, one linear of a fused one)."""
+        return GGUFTensor(self.type_name, self.data[start:stop], (stop - start, self.shape[1]))
 
 
 def as_dense(value: torch.Tensor | GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -123,21 +112,74 @@ def gguf_to_hf_folder(path: Path) -> Path:
 
 
 def _write_folder(path: Path, out: Path) -> None:
+    """config.json, the tokenizer files and the marker naming the GGUF file.
+
+    The config comes from `gguf_arch` (its tables know each architecture's metadata keys)
+    except for the Llama-family files, whose config transformers reads completely.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
+    from . import gguf_arch
+
     folder, name = str(path.parent), path.name
+    gguf_file = read_gguf(path)
+    arch = str(gguf_file.metadata.get("general.architecture"))
+    spec = gguf_arch.gguf_arch(arch)  # ValueError naming the supported architectures
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = gguf_arch.hf_config(
+            arch, _arch_metadata(gguf_file, arch), _tensor_facts(gguf_file)
+        )
+        if config is None:
+            hf = AutoConfig.from_pretrained(folder, gguf_file=name)
+            hf.architectures = [spec.hf_architecture]
+            config = hf.to_dict()
+    except ValueError:
+        raise
     except Exception as error:
         raise ValueError(f"{path} could not be read as a GGUF model: {error}") from error
-    arch = str(read_gguf(path).metadata.get("general.architecture"))
-    if arch not in _GGUF_ARCH:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCH)}")
-    config.architectures = [_GGUF_ARCH[arch]]
-    config.save_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=_json_default) + "\n")
     tokenizer.save_pretrained(str(out))
+    if gguf_file.metadata.get("tokenizer.ggml.model") == "gpt2":
+        _load_tokenizer_as_saved(out)
     (out / _MARKER).write_text(json.dumps({"file": str(path.resolve())}))
+
+
+def _arch_metadata(gguf_file: GGUFFile, arch: str) -> dict[str, Any]:
+    """The `<arch>.*` keys (prefix dropped) and the tokenizer's special token ids."""
+    prefix = f"{arch}."
+    metadata = {k[len(prefix) :]: v for k, v in gguf_file.metadata.items() if k.startswith(prefix)}
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if gguf_file.metadata.get(key) is not None:
+            metadata[key] = gguf_file.metadata[key]
+    return metadata
+
+
+def _tensor_facts(gguf_file: GGUFFile) -> dict[str, Any]:
+    """name -> {"shape" (torch order)}, plus "values" for the config-carrying rope tensors."""
+    facts: dict[str, Any] = {}
+    for tensor in gguf_file.tensors:
+        facts[tensor.name] = {"shape": [int(d) for d in reversed(tensor.shape)]}
+        if tensor.name.startswith(("rope_factors_", "rope_freqs")):
+            facts[tensor.name]["values"] = [float(v) for v in _tensor_value(tensor).reshape(-1)]
+    return facts
+
+
+def _load_tokenizer_as_saved(folder: Path) -> None:
+    """Have the folder's byte-level BPE tokenizer reload exactly as tokenizer.json describes
+    it. transformers names the architecture's own tokenizer class (GemmaTokenizer for a
+    gemma file, say), and those classes rebuild their sentencepiece-style pipeline on load,
+    which mangles a byte-level vocabulary (Phi-4-mini's, for one)."""
+    path = folder / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 @dataclass(slots=True)
@@ -240,24 +282,23 @@ def read_gguf(path: Path) -> GGUFFile:
 # ------------------------------------------------------------------ the weights
 def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """(Hugging Face name, tensor) for every weight of the folder's GGUF file. Float
-    tensors come as torch tensors, quantized ones as GGUFTensors (no copy made)."""
+    tensors come as torch tensors, quantized ones as GGUFTensors (no copy made); names,
+    layouts and llama.cpp's transformations are undone by `gguf_arch`."""
+    from . import gguf_arch
+
     with open(Path(folder) / "config.json") as f:
         config = json.load(f)
-    num_heads = int(config["num_attention_heads"])
-    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-    for tensor in read_gguf(gguf_file_of(folder)).tensors:
-        hf_name = _hf_name(tensor.name)
-        if hf_name is None:
-            continue
-        if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
-            continue
-        value = _tensor_value(tensor)
-        # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
-        if tensor.name.endswith("attn_q.weight"):
-            value = _unpermute_rotary(value, num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            value = _unpermute_rotary(value, num_kv_heads)
-        yield hf_name, value
+    gguf_file = read_gguf(gguf_file_of(folder))
+    arch = str(gguf_file.metadata.get("general.architecture"))
+    for tensor in gguf_file.tensors:
+        if gguf_arch.hf_name(arch, tensor.name) is None:
+            continue  # a tensor that carries configuration (rope factors)
+        for hf_name, value in gguf_arch.fix_tensor(
+            arch, tensor.name, _tensor_value(tensor), config
+        ):
+            if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
+                continue
+            yield hf_name, value
 
 
 def _tensor_value(tensor: GGUFTensorInfo) -> torch.Tensor | GGUFTensor:
@@ -270,35 +311,8 @@ def _tensor_value(tensor: GGUFTensorInfo) -> torch.Tensor | GGUFTensor:
             raw = torch.from_numpy(np.ascontiguousarray(values).view(np.int16).copy())
             return raw.view(torch.bfloat16).reshape(shape).float()
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
-    if len(shape) != 2:
+    if len(shape) < 2:
         raise ValueError(f"quantized GGUF tensor {tensor.name} is not a matrix: {shape}")
-    return GGUFTensor(type_name, np.asarray(tensor.data), (shape[0], shape[1]))
-
-
-def _hf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    match = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    if match and match.group(2) in _GGUF_NAMES:
-        return f"model.layers.{match.group(1)}.{_GGUF_NAMES[match.group(2)]}.{match.group(3)}"
-    return None  # e.g. rope_freqs: the rope config comes from the metadata
-
-
-def _unpermute_order(rows: int, num_heads: int) -> np.ndarray:
-    """Row order that turns llama.cpp's interleaved rotary layout back into the halves
-    layout of Hugging Face: in each head, rows (0, 2, 4, ..., 1, 3, 5, ...)."""
-    half = rows // num_heads // 2
-    order = np.arange(rows).reshape(num_heads, half, 2).transpose(0, 2, 1)
-    return order.reshape(-1)
-
-
-def _unpermute_rotary(value: Any, num_heads: int):
-    rows = value.shape[0]
-    order = _unpermute_order(rows, num_heads)
-    if isinstance(value, GGUFTensor):
-        return value.permute_rows(order)  # whole rows of blocks move: no dequantization
-    return value[torch.from_numpy(order)]
+    # A stacked [E, N, K] tensor (experts) is E * N rows of K: gguf_arch cuts it per expert.
+    rows = int(np.prod(shape[:-1]))
+    return GGUFTensor(type_name, np.asarray(tensor.data), (rows, shape[-1]))

@@ -26,13 +26,14 @@ from .kv_cache_manager import KVCacheManager
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from .model_loader import load_tokenizer, read_config, resolve_model
 from .model_runner import kv_bytes_per_block
+from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
-from .models.llama import LlamaConfig
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
+from .tool_formats import ToolCallFormat
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or source.name
         self.model_folder = source.folder
         hf_config = read_config(source.folder)
-        self.model_config = LlamaConfig.from_hf_dict(hf_config)
+        self.model_config = ModelConfig.from_hf_dict(hf_config)
         self.plan = choose_plan(
             self.device,
             config.dtype,
@@ -118,6 +119,7 @@ class LLMEngine:
             self.stat_loggers.append(LoggingStatLogger(config.log_stats_interval))
         self.info = ModelInfo(
             name=self.model_name,
+            architecture=self.model_config.architecture,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
@@ -304,6 +306,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        """The tool-call markup this model was trained on (see `InputProcessor.tool_format`)."""
+        return self.inputs.tool_format
 
     def shutdown(self) -> None:
         """Release the model: the tensor-parallel ranks, the weights and the KV cache.

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 
 from .attention_metadata import AttentionMetadata
-from .models.llama import LlamaForCausalLM
+from .models.causal_lm import CausalLM
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
 def profile_kv_blocks(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     device: torch.device,
     tokens: int,
     block_size: int,
@@ -85,7 +85,7 @@ def kv_cache_shapes(
     return shape, shape
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
@@ -94,7 +94,7 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         device: torch.device,

@@ -295,3 +295,17 @@ def _literal_grammar(text: str) -> Any:
 
     # JSON string escaping is valid in xgrammar's EBNF string literals.
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}" if text else 'root ::= ""')
+
+
+def wrap_grammar(grammar: str, before: str, after: str) -> str:
+    """root ::= before <grammar's root> after (xgrammar's EBNF, rule names kept unique)."""
+    lines = grammar.splitlines()
+    tops = [i for i, line in enumerate(lines) if line.startswith("root ::= ")]
+    if len(tops) != 1:
+        raise ValueError("cannot wrap the tool-call grammar: unexpected rule layout")
+    inner = "wrapped_calls"
+    while any(line.startswith(f"{inner} ::= ") for line in lines):
+        inner += "_"
+    lines[tops[0]] = inner + lines[tops[0]][len("root") :]
+    lines.append(f"root ::= {json.dumps(before)} {inner} {json.dumps(after)}")
+    return "\n".join(lines)

@@ -59,17 +59,20 @@ def paged_attention(
     backend: str = "auto",
     k_new: torch.Tensor | None = None,  # [T, Hkv, D]: lets the CPU path skip a gather
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
+    logits_soft_cap: float | None = None,  # Gemma 2: scores -> cap * tanh(scores / cap)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged keys and values.
 
     One call serves a whole flat batch: prefills with a cached prefix and decodes mixed.
     See `kernels/reference.py` for the index picture. Writes and returns `out`.
+    `scale` is the family's (head_dim^-1/2, or Gemma's query_pre_attn_scalar^-1/2);
+    `sliding_window` and `logits_soft_cap` are per layer (None: none).
     """
     resolved = resolve_backend(backend, q.device)
     if resolved == "cpu":
         return _cpu_paged_attention(
             q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale,
-            sliding_window,
+            sliding_window, logits_soft_cap,
         )  # fmt: skip
     if resolved == "triton":
         from .paged_attention_triton import paged_attention_triton
@@ -86,6 +89,7 @@ def paged_attention(
             sliding_window=sliding_window,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
+            logits_soft_cap=logits_soft_cap,
         )
     return reference.paged_attention(
         q,
@@ -99,6 +103,7 @@ def paged_attention(
         sliding_window,
         k_new=k_new,
         v_new=v_new,
+        logits_soft_cap=logits_soft_cap,
     )
 
 

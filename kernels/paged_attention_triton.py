@@ -29,6 +29,10 @@ Index arithmetic of the unified kernel (grid = (query tiles, kv heads)):
         slot  = block * block_size + p % block_size  (row of k_cache viewed flat)
     one key at a time within a TILE_N tile, so block_size need not divide TILE_N.
 
+    Scores live in the log2 domain (s = scale * log2(e) * q.k, then exp2). A logit soft-cap
+    C (Gemma 2) is C * tanh(scale * q.k / C); in that domain it is C' * tanh(s / C') with
+    C' = C * log2(e), so the kernels take one constant, soft_cap_log2 = C'.
+
     Query token j of the sequence sits at position context_len + j and sees keys
     max(0, pos - window + 1) .. pos; a program loops only over the key tiles that some
     of its rows can see (the causal and window bounds of its first and last token).
@@ -81,6 +85,7 @@ def _attend_tile(
     row_ok,  # [BLOCK_M] row is a real (token, head)
     window,
     qk_scale,
+    soft_cap_log2,  # logit soft-cap times log2(e), used when USE_SOFT_CAP
     stride_kb,
     stride_ks,
     stride_vb,
@@ -90,6 +95,7 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, TILE_N)  # [TILE_N] key positions
@@ -103,6 +109,10 @@ def _attend_tile(
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if USE_SOFT_CAP:  # C' tanh(s / C'), tanh(x) = 1 - 2 / (e^2x + 1): finite at both ends
+        s = soft_cap_log2 * (
+            1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634) / soft_cap_log2) + 1.0)
+        )
     visible = row_ok[:, None] & (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
     if USE_WINDOW:
         visible = visible & (offs_n[None, :] > qpos[:, None] - window)
@@ -129,6 +139,7 @@ def _unified_attention_kernel(
     num_seqs,
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window (keys), used when USE_WINDOW
+    soft_cap_log2,  # logit soft-cap * log2(e), used when USE_SOFT_CAP
     stride_qt,
     stride_qh,
     stride_ot,
@@ -148,6 +159,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -193,9 +205,9 @@ def _unified_attention_kernel(
     for start_n in range(kv_start, kv_end, TILE_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, k_head_off, v_head_off,
-            start_n, kv_end, qpos, row_ok, window, qk_scale,
+            start_n, kv_end, qpos, row_ok, window, qk_scale, soft_cap_log2,
             stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok,
-            BLOCK_SIZE, TILE_N, USE_WINDOW, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
         )  # fmt: skip
 
     # Every real row saw at least its own key, so l_i > 0 there; the guard is for pad rows.
@@ -217,6 +229,7 @@ def _split_kv_decode_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     qk_scale,
     window,
+    soft_cap_log2,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -234,6 +247,7 @@ def _split_kv_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -276,9 +290,9 @@ def _split_kv_decode_kernel(
     for start_n in range(split_start, split_end, TILE_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, k_head_off, v_head_off,
-            start_n, split_end, qpos, row_ok, window, qk_scale,
+            start_n, split_end, qpos, row_ok, window, qk_scale, soft_cap_log2,
             stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok,
-            BLOCK_SIZE, TILE_N, USE_WINDOW, DOT_PRECISION,
+            BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
         )  # fmt: skip
 
     # An empty split leaves m = -1e30, l = 0, acc = 0: weight 0 in the reduction.
@@ -400,13 +414,15 @@ def paged_attention_triton(
     max_seqlen_k: int | None = None,
     *,
     num_kv_splits: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a flat varlen batch; same results as `reference.paged_attention`.
 
     max_seqlen_q / max_seqlen_k are hints (no device sync is made to find them); every
     sequence must have at least one query row. num_kv_splits: None picks the split-KV path
     for decode-only batches when `choose_num_splits` says so, 1 never splits, > 1 forces
-    that many splits (power of two; decode-only batches only).
+    that many splits (power of two; decode-only batches only). logits_soft_cap C turns
+    each score s into C * tanh(s / C) (Gemma 2); None or 0 leaves scores as they are.
     """
     _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -420,6 +436,8 @@ def paged_attention_triton(
     window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else 0
     use_window = window > 0
     qk_scale = float(scale) * _LOG2E
+    use_soft_cap = logits_soft_cap is not None and logits_soft_cap > 0
+    soft_cap_log2 = float(logits_soft_cap) * _LOG2E if use_soft_cap else 1.0
     # tf32 would cost float32 its 1e-3 accuracy; other dtypes ignore the setting.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits (garbage),
@@ -443,7 +461,8 @@ def paged_attention_triton(
             raise ValueError(f"num_kv_splits must be a power of two, got {splits}")
         _split_kv_decode(
             q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, qk_scale, window,
-            use_window, splits, group, d_pad, tile_n, precision, upcast, num_warps,
+            use_window, soft_cap_log2, use_soft_cap, splits, group, d_pad, tile_n, precision,
+            upcast, num_warps,
         )  # fmt: skip
         return out
 
@@ -452,14 +471,14 @@ def paged_attention_triton(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        num_seqs, qk_scale, window,
+        num_seqs, qk_scale, window, soft_cap_log2,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=tile_n, BLOCK_SIZE=block_size, USE_WINDOW=use_window, DOT_PRECISION=precision,
-        UPCAST_DOT=upcast, num_warps=num_warps,
+        TILE_N=tile_n, BLOCK_SIZE=block_size, USE_WINDOW=use_window, USE_SOFT_CAP=use_soft_cap,
+        DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -475,6 +494,8 @@ def _split_kv_decode(
     qk_scale: float,
     window: int,
     use_window: bool,
+    soft_cap_log2: float,
+    use_soft_cap: bool,
     splits: int,
     group: int,
     d_pad: int,
@@ -492,7 +513,7 @@ def _split_kv_decode(
     )
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, part_m, part_l, part_acc, cu_seqlens_q, seq_lens, block_tables,
-        qk_scale, window,
+        qk_scale, window, soft_cap_log2,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -500,7 +521,8 @@ def _split_kv_decode(
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
         BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=tile_n,
         BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=splits, USE_WINDOW=use_window,
-        DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=num_warps,
+        USE_SOFT_CAP=use_soft_cap, DOT_PRECISION=precision, UPCAST_DOT=upcast,
+        num_warps=num_warps,
     )  # fmt: skip
     _reduce_splits_kernel[(num_tokens, num_q_heads)](
         part_m, part_l, part_acc, out, num_q_heads, out.stride(0), out.stride(1),

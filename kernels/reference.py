@@ -18,6 +18,9 @@ context_len = seq_lens[i] - query_len (tokens already cached before this step):
     queries:                            | q_0 ............ q_{query_len-1} |
     query j sits at position context_len + j and sees keys 0 .. context_len + j
     (and, with a sliding window W, only the last W of them).
+
+With a logit soft-cap C (Gemma 2), each score s = scale * q.k becomes C * tanh(s / C)
+before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_new: torch.Tensor | None = None,  # [T, Hkv, D], this step's keys (optional)
     v_new: torch.Tensor | None = None,  # [T, Hkv, D], this step's values (optional)
+    logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged keys and values.
 
@@ -85,7 +89,7 @@ def paged_attention(
     plan = _plan(cu_seqlens_q, seq_lens, block_tables, block_size, sliding_window, q.dtype)
     cu, lens, query_lens = plan.cu, plan.lens, plan.query_lens
     for bucket in plan.decode:
-        _decode_attention(q, k_cache, v_cache, out, bucket, scale)
+        _decode_attention(q, k_cache, v_cache, out, bucket, scale, logits_soft_cap)
     for i, query_len in enumerate(query_lens):
         if query_len <= 1:
             continue
@@ -100,17 +104,45 @@ def paged_attention(
         # A prompt with nothing cached before it is plain causal attention (the fast path).
         plain_causal = seq_len == query_len and sliding_window is None
         mask = None if plain_causal else _causal_mask(query_len, seq_len, sliding_window, q.device)
-        o = F.scaled_dot_product_attention(
-            qi.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            attn_mask=mask,
-            is_causal=plain_causal,
-            scale=scale,
-            enable_gqa=True,
-        )  # [1, Hq, query_len, D]
+        q4 = qi.transpose(0, 1).unsqueeze(0)  # [1, Hq, query_len, D]
+        k4 = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
+        v4 = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        if logits_soft_cap is None:
+            o = F.scaled_dot_product_attention(
+                q4, k4, v4, attn_mask=mask, is_causal=plain_causal, scale=scale, enable_gqa=True
+            )  # [1, Hq, query_len, D]
+        else:
+            if mask is None:
+                mask = _causal_mask(query_len, seq_len, None, q.device)
+            # Query head h uses KV head h // G: fold the G heads into query rows of their KV head.
+            num_kv_heads = k4.shape[1]
+            grouped = q4.view(num_kv_heads, -1, query_len, q4.shape[-1])  # [Hkv, G, Lq, D]
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(~mask, float("-inf"))
+            o = _soft_capped_attention(
+                grouped, k4[0].unsqueeze(1), v4[0].unsqueeze(1), bias, scale, logits_soft_cap
+            ).reshape(q4.shape)
         out[cu[i] : cu[i + 1]] = o[0].transpose(0, 1)
     return out
+
+
+def _soft_capped_attention(
+    q: torch.Tensor,  # [..., Lq, D]
+    k: torch.Tensor,  # [..., L, D] (broadcast against q's leading dims)
+    v: torch.Tensor,  # [..., L, D]
+    bias: torch.Tensor | None,  # additive, broadcast to [..., Lq, L]: 0 visible, -inf not
+    scale: float,
+    soft_cap: float,
+) -> torch.Tensor:  # [..., Lq, D]
+    """softmax(C * tanh(scale * q k^T / C) + bias) v, the softmax in at least float32 (as
+    transformers' eager Gemma 2 attention; torch's fused attention has no soft-cap)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if bias is not None:
+        scores = scores + bias
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # at least float32
+    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 def _causal_mask(
@@ -169,9 +201,14 @@ def _plan(
     """Host-side bookkeeping of a step, shared by all its layers: the metadata tensors
     are the same objects in every layer of one forward pass, so this runs once a step."""
     key = (id(cu_seqlens_q), id(seq_lens), id(block_tables), block_size, sliding_window, dtype)
-    cached = getattr(_local, "plan", None)
+    # One plan per window of the step: layers with different windows (Gemma's sliding and
+    # global layers alternate) each reuse theirs instead of rebuilding it layer after layer.
+    plans: dict = getattr(_local, "plans", {})
+    cached = plans.get(sliding_window)
     if cached is not None and cached.key == key:
         return cached
+    if any(plan.key[:3] != key[:3] for plan in plans.values()):
+        plans = {}  # a new step: the previous step's plans are stale
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     query_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
@@ -189,7 +226,8 @@ def _plan(
         for bucket in buckets
     ]
     plan = _Plan(cu, lens, query_lens, decode, key, (cu_seqlens_q, seq_lens, block_tables))
-    _local.plan = plan
+    plans[sliding_window] = plan
+    _local.plans = plans
     return plan
 
 
@@ -247,6 +285,7 @@ def _decode_attention(
     out: torch.Tensor,
     bucket: _DecodeBucket,
     scale: float,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """One bucket of query_len == 1 rows in one attention call, padded to its longest.
 
@@ -260,11 +299,17 @@ def _decode_attention(
     k = _gather("k", k_cache, bucket.block_ids).view(shape).transpose(1, 2)
     v = _gather("v", v_cache, bucket.block_ids).view(shape).transpose(1, 2)
     rows = q[bucket.q_index]  # [Br, Hq, D]
-    o = F.scaled_dot_product_attention(
-        rows.view(bucket.num_rows, num_kv_heads, -1, head_dim),  # [Br, Hkv, G, D]
-        k.to(q.dtype),
-        v.to(q.dtype),
-        attn_mask=bucket.mask,  # [Br, 1, 1, L]: one mask row serves all G query rows
-        scale=scale,
-    )  # [Br, Hkv, G, D]
+    grouped = rows.view(bucket.num_rows, num_kv_heads, -1, head_dim)  # [Br, Hkv, G, D]
+    if logits_soft_cap is None:
+        o = F.scaled_dot_product_attention(
+            grouped,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=bucket.mask,  # [Br, 1, 1, L]: one mask row serves all G query rows
+            scale=scale,
+        )  # [Br, Hkv, G, D]
+    else:
+        o = _soft_capped_attention(
+            grouped, k.to(q.dtype), v.to(q.dtype), bucket.mask, scale, logits_soft_cap
+        )
     out.index_copy_(0, bucket.q_index, o.reshape(rows.shape).to(out.dtype))

@@ -228,7 +228,7 @@ class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
         to_prompt = self.messages_to_prompt
         if to_prompt is not None and to_prompt is not generic_messages_to_prompt:
             # The user's own formatting wins over the model's chat template.
-            plan = options.plan()
+            plan = options.plan(self.engine.tool_format)
             return to_prompt(messages), params.clone(structured_outputs=plan.constraint), plan
         prompt = prepare_chat(self.engine, to_openai_messages(messages), params, options)
         return prompt.engine_prompt, prompt.params, prompt.plan

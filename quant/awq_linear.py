@@ -253,6 +253,17 @@ def checkpoint_tensor_names(folder: Path) -> set[str]:
     return names
 
 
+# Checkpoints that fuse linears (Phi-3) hold the AWQ tensors of q/k/v under qkv_proj and of
+# gate/up under gate_up_proj; the model splits them into its shards as they load.
+_FUSED_CHECKPOINT_NAMES = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
 def awq_linear_factory(
     quant_config: dict[str, Any], folder: Path, cpu_kernel: str = "auto"
 ) -> LinearFactory:
@@ -266,6 +277,13 @@ def awq_linear_factory(
     if not any(name.endswith(".qweight") for name in names):
         raise ValueError(f"{folder} says it is AWQ but holds no '.qweight' tensors")
 
+    def is_quantized(prefix: str) -> bool:
+        if f"{prefix}.qweight" in names:
+            return True
+        parent, _, leaf = prefix.rpartition(".")  # a shard of a fused checkpoint linear?
+        fused = _FUSED_CHECKPOINT_NAMES.get(leaf)
+        return fused is not None and f"{parent}.{fused}.qweight" in names
+
     def make(
         in_features: int,
         output_sizes: list[int],
@@ -274,7 +292,7 @@ def awq_linear_factory(
         dtype: torch.dtype,
         device: torch.device,
     ) -> nn.Module:
-        quantized = [f"{prefix}.qweight" in names for prefix in prefixes]
+        quantized = [is_quantized(prefix) for prefix in prefixes]
         group = config.group_size_for(in_features)
 
         def dense(sizes: list[int]) -> nn.Module:

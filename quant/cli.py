@@ -38,6 +38,16 @@ def read_calibration_text(path: Path) -> list[str]:
     return paragraphs
 
 
+# Families whose blocks have the Llama shape the quantizer folds scales into: input norm ->
+# q/k/v, post-attention norm -> gate/up (Qwen3's q/k norms act after q/k_proj, so they keep).
+QUANTIZABLE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
 def load_float_model(folder: Path):
     """transformers' own implementation of the model, in float32 (the calibration vehicle)."""
     from transformers import AutoTokenizer
@@ -63,6 +73,13 @@ def quantize_checkpoint(
     hf_config = read_config(source.folder)
     if (hf_config.get("quantization_config") or {}).get("quant_method") not in (None, "gguf"):
         raise ValueError(f"{source.origin} is already quantized; give a full-precision model")
+    architecture = (hf_config.get("architectures") or ["?"])[0]
+    if architecture not in QUANTIZABLE_ARCHITECTURES:
+        raise ValueError(
+            f"`pagedllm quantize` calibrates {', '.join(QUANTIZABLE_ARCHITECTURES)} models, not "
+            f"{architecture} (its norms or fused linears need their own scale folding); AWQ "
+            "checkpoints of it made by AutoAWQ load and run"
+        )
     texts = read_calibration_text(Path(calibration))
     float_model, tokenizer = load_float_model(source.folder)
     blocks = calibration_blocks(tokenizer, texts, options.num_samples, options.seq_len)

@@ -1,6 +1,6 @@
 """AWQ quantizer for the Llama family: transformers model in, AutoAWQ gemm checkpoint out.
 
-transformers' own LlamaForCausalLM (or Mistral/Qwen2) is the calibration vehicle: it is an
+transformers' own LlamaForCausalLM (or Mistral/Qwen2/Qwen3) is the calibration vehicle: it is an
 independent implementation of the model, so the engine that later loads the checkpoint is
 tested against it. Layer by layer:
 

@@ -93,15 +93,18 @@ def make_batch(
     )
 
 
-def reference_out(b: Batch, scale: float, window: int | None) -> torch.Tensor:
+def reference_out(
+    b: Batch, scale: float, window: int | None, soft_cap: float | None = None
+) -> torch.Tensor:
     """float64 reference on the same (rounded) inputs; NaN rows zeroed, which the torch
     reference needs because its padded decode multiplies masked rows by 0."""
     out = torch.empty(b.q.shape, dtype=torch.float64, device=DEVICE)
     k = torch.nan_to_num(b.k_cache.double())
     v = torch.nan_to_num(b.v_cache.double())
     reference.paged_attention(
-        b.q.double(), k, v, out, b.cu_seqlens_q, b.seq_lens, b.block_tables, scale, window
-    )
+        b.q.double(), k, v, out, b.cu_seqlens_q, b.seq_lens, b.block_tables, scale, window,
+        logits_soft_cap=soft_cap,
+    )  # fmt: skip
     return out
 
 
@@ -114,21 +117,24 @@ def run_and_compare(
     window: int | None = None,
     num_kv_splits: int | None = None,
     pass_max_lens: bool = True,
+    soft_cap: float | None = None,
+    scale: float | None = None,
 ) -> None:
     seed = new_seed()
     b = make_batch(cases, heads[0], heads[1], head_dim, block_size, dtype)
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     out = torch.full_like(b.q, float("nan"))
     paged_attention_triton(
         b.q, b.k_cache, b.v_cache, out, b.cu_seqlens_q, b.seq_lens, b.block_tables, scale,
         sliding_window=window,
         max_seqlen_q=b.max_seqlen_q if pass_max_lens else None,
         max_seqlen_k=b.max_seqlen_k if pass_max_lens else None,
-        num_kv_splits=num_kv_splits,
+        num_kv_splits=num_kv_splits, logits_soft_cap=soft_cap,
     )  # fmt: skip
     where = f"seed={seed} cases={cases} heads={heads} D={head_dim} bs={block_size} {dtype}"
+    where += f" window={window} soft_cap={soft_cap}"
     assert not out.isnan().any(), f"NaN left in the output ({where})"
-    err = (out.double() - reference_out(b, scale, window)).abs().max().item()
+    err = (out.double() - reference_out(b, scale, window, soft_cap)).abs().max().item()
     assert err < TOLERANCE[dtype], f"max abs error {err:.3g} ({where})"
 
 
@@ -192,6 +198,21 @@ def test_sliding_window_mixed(window):
 @pytest.mark.parametrize("num_kv_splits", [1, 4], ids=["unified", "split4"])
 def test_sliding_window_decode(num_kv_splits):
     run_and_compare(DECODE, (8, 2), 64, 16, torch.bfloat16, window=64, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("soft_cap", [0.5, 50.0])
+def test_logit_soft_cap_mixed(soft_cap, dtype):
+    # Gemma 2: soft-capped scores, query_pre_attn_scalar scale, a sliding window on the side.
+    run_and_compare(SMALL_MIXED, (8, 2), 64, 16, dtype, soft_cap=soft_cap, scale=24**-0.5)
+    run_and_compare(SMALL_MIXED, (6, 2), 64, 16, dtype, window=8, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4], ids=["unified", "split4"])
+def test_logit_soft_cap_decode(num_kv_splits):
+    run_and_compare(
+        DECODE, (8, 2), 64, 16, torch.float32, soft_cap=1.0, num_kv_splits=num_kv_splits
+    )
 
 
 def test_auto_split_choice():

@@ -77,6 +77,7 @@ class ReplicaActor:
             "vocab_size": model.vocab_size,
             "eos_token_ids": list(model.eos_token_ids),
             "block_size": model.block_size,
+            "architecture": model.architecture,
             "generation_defaults": dict(model.generation_defaults),
             "num_blocks": self.engine.num_total_blocks(),
             "pid": os.getpid(),

@@ -155,6 +155,7 @@ class RayReplicaEngine(EngineClient):
             vocab_size=first["vocab_size"],
             eos_token_ids=tuple(first["eos_token_ids"]),
             block_size=first["block_size"],
+            architecture=first.get("architecture"),
             generation_defaults=dict(first.get("generation_defaults") or {}),
         )
         # Seeded requests' generators are made here (CPU) and travel with the request.

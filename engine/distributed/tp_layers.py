@@ -1,4 +1,4 @@
-"""Megatron-style sharding of the Llama family: a TP-aware `LinearFactory` and rank configs.
+"""Megatron-style sharding of every model family: a TP-aware `LinearFactory` and rank configs.
 
 Rank r of k holds:
 
@@ -7,8 +7,11 @@ Rank r of k holds:
     gate_up_proj  column-parallel: I/k of the intermediate features        [hidden] -> [2 I/k]
     down_proj     row-parallel:    the same I/k input features             [I/k] -> [hidden], all-reduce
 
-so each decoder block does exactly two all-reduces (attention output, MLP output). Norms,
-rotary tables, the embedding and lm_head are replicated. Query head h uses KV head
+so each decoder block does exactly two all-reduces (attention output, MLP output). Norms
+(q/k norms too: they act within one head), rotary tables, the embedding and lm_head are
+replicated. A mixture-of-experts layer splits every expert's intermediate features the
+same way (the router is replicated, so every rank routes alike); its down_proj reduces
+once per expert that received tokens this step, not once per layer. Query head h uses KV head
 h // (Hq/Hkv); cutting both head lists into k contiguous slices keeps every query head on
 the rank of its KV head.
 
@@ -26,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models.config import ModelConfig
 from ..models.layers import LinearFactory, dense_linear
-from ..models.llama import LlamaConfig
 
 # Checkpoint suffix -> the dim that holds the output features (column-parallel slicing).
 # Dense: weight [N, K]; AWQ: qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N].
@@ -37,7 +40,7 @@ _IN_DIM = {"weight": 1, "qweight": 0, "qzeros": 0, "scales": 0}
 _ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def check_tensor_parallel(cfg: LlamaConfig, world: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
     """ValueError unless `cfg` can be split over `world` ranks by heads and features."""
     if world == 1:
         return
@@ -48,12 +51,12 @@ def check_tensor_parallel(cfg: LlamaConfig, world: int) -> None:
         problems.append(f"num_key_value_heads {cfg.num_kv_heads}")
     if cfg.intermediate_size % world:
         problems.append(f"intermediate_size {cfg.intermediate_size}")
+    if cfg.num_experts and cfg.moe_intermediate_size % world:
+        problems.append(f"moe_intermediate_size {cfg.moe_intermediate_size}")
     if problems:
-        usable = [
-            k
-            for k in range(2, cfg.num_kv_heads + 1)
-            if not (cfg.num_heads % k or cfg.num_kv_heads % k or cfg.intermediate_size % k)
-        ]
+        sizes = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
+        sizes += (cfg.moe_intermediate_size,) if cfg.num_experts else ()
+        usable = [k for k in range(2, cfg.num_kv_heads + 1) if not any(n % k for n in sizes)]
         raise ValueError(
             f"tensor_parallel_size {world} must divide {', '.join(problems)} of this model "
             f"(heads are split across ranks, KV heads are not replicated); sizes that work: "
@@ -61,14 +64,19 @@ def check_tensor_parallel(cfg: LlamaConfig, world: int) -> None:
         )
 
 
-def shard_config(cfg: LlamaConfig, world: int) -> LlamaConfig:
-    """The config one rank builds its model from: 1/world of the heads and MLP features."""
+def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The config one rank builds its model from: 1/world of the heads and MLP features.
+
+    The attention scale stays the full model's: it depends on head_dim (or Gemma's
+    query_pre_attn_scalar), neither of which is split.
+    """
     check_tensor_parallel(cfg, world)
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // world,
         num_kv_heads=cfg.num_kv_heads // world,
         intermediate_size=cfg.intermediate_size // world,
+        moe_intermediate_size=cfg.moe_intermediate_size // world,
     )
 
 

@@ -30,8 +30,9 @@ import torch.multiprocessing as mp
 
 from ..config import EngineConfig
 from ..model_runner import ModelRunner, profile_kv_blocks
+from ..models.causal_lm import CausalLM
+from ..models.config import ModelConfig
 from ..models.layers import LinearFactory
-from ..models.llama import LlamaConfig, LlamaForCausalLM
 from ..scheduler import SchedulerOutput
 from .tp_layers import check_tensor_parallel
 from .tp_worker import (
@@ -61,7 +62,7 @@ class TensorParallelExecutor:
     shard and KV cache in a ModelRunner here; `execute` drives every rank each step."""
 
     def __init__(self) -> None:  # use TensorParallelExecutor.launch
-        self.model: LlamaForCausalLM
+        self.model: CausalLM
         self.world = 1
         self.dist_backend = "gloo"
         self.attention_backend = "auto"
@@ -81,7 +82,7 @@ class TensorParallelExecutor:
         config: EngineConfig,
         folder: str,
         hf_config: dict,
-        model_config: LlamaConfig,
+        model_config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
@@ -272,12 +273,12 @@ class TensorParallelExecutor:
             return run()
         except BaseException as error:
             # A collective that failed because a rank died: name the rank, not the socket.
+            # The socket error can arrive before the dying process is reaped (is_alive() is
+            # still True then), so give the monitor, which wakes when a rank exits, up to a
+            # second to record which rank it was, whatever is_alive() says right now.
             deadline = time.monotonic() + 1.0
             while self._dead is None and time.monotonic() < deadline:
-                if any(not p.is_alive() for p in self.processes):
-                    time.sleep(0.05)  # the monitor is about to record which one
-                else:
-                    break
+                time.sleep(0.05)
             self._mark_dead(f"tensor-parallel step failed: {type(error).__name__}: {error}")
             self._teardown()
             raise RuntimeError(

@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from ..attention_metadata import AttentionMetadata
 from ..model_loader import iter_weights
-from ..models.llama import LlamaConfig, LlamaForCausalLM
+from ..models.causal_lm import CausalLM
+from ..models.config import ModelConfig
+from ..models.registry import build_model
 from .tp_layers import base_linear_factory, shard_config, tensor_parallel_factory
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class RankSpec:
     store_port: int
     folder: str
     hf_config: dict[str, Any]
-    model_config: LlamaConfig  # the full model's
+    model_config: ModelConfig  # the full model's
     dtype: torch.dtype
     device: str
     max_model_len: int
@@ -63,10 +65,10 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def build_shard(spec: RankSpec, device: torch.device, base_factory=None) -> LlamaForCausalLM:
-    """This rank's LlamaForCausalLM: 1/world of the heads and MLP features, weights loaded."""
+def build_shard(spec: RankSpec, device: torch.device, base_factory=None) -> CausalLM:
+    """This rank's model: 1/world of the heads and MLP features, weights loaded."""
     factory = base_factory or base_linear_factory(spec.hf_config, Path(spec.folder))
-    model = LlamaForCausalLM(
+    model = build_model(
         shard_config(spec.model_config, spec.world),
         spec.dtype,
         device,
@@ -181,7 +183,7 @@ def worker_main(spec: RankSpec) -> None:
 
 
 @torch.inference_mode()
-def _serve(model: LlamaForCausalLM, spec: RankSpec, device: torch.device) -> None:
+def _serve(model: CausalLM, spec: RankSpec, device: torch.device) -> None:
     from ..model_runner import ModelRunner, profile_kv_blocks
 
     runner: ModelRunner | None = None

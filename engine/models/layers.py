@@ -1,17 +1,23 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embeddings, stacked linears.
+"""Building blocks shared by every model family: RMSNorm, stacked linears, the gated MLP,
+the token embedding and LM head (rotary embeddings: rotary.py).
 
-The numerics follow Hugging Face transformers step for step (RMSNorm in float32, cos/sin
-cast to the activation dtype) so that greedy outputs match it token for token.
+The numerics follow Hugging Face transformers step for step (RMSNorm in float32 in each
+family's order of cast and multiply) so that greedy outputs match it token for token.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Rotary embeddings live in rotary.py; the names stay importable from here.
+from .rotary import RotaryEmbedding as RotaryEmbedding
+from .rotary import rope_attention_factor as rope_attention_factor
+from .rotary import rope_inv_freq as rope_inv_freq
 
 
 def _fused_ops():
@@ -19,34 +25,54 @@ def _fused_ops():
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally fused with the residual add that precedes it.
+    """RMSNorm over the last dim, optionally fused with the residual add that precedes it.
 
     `norm(x)` -> normed x. `norm(x, residual)` -> (normed (residual + x), residual + x): the
     pre-norm of a sub-layer that first adds the previous sub-layer's output to the residual
     stream. With `fused` (the CPU fast path) one C++ kernel does both, in place.
+
+    unit_offset=False (Llama, Qwen, Phi): normalize in float32, cast, multiply by w.
+    unit_offset=True (Gemma): the checkpoint stores w - 1; multiply by (1 + w) in float32,
+    then cast (the order matters for bf16: it is how transformers computes each family).
     """
 
     fused = False  # set per instance by enable_fused_cpu_kernels
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        unit_offset: bool = False,
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        initial = torch.zeros if unit_offset else torch.ones
+        self.weight = nn.Parameter(initial(hidden_size, dtype=dtype, device=device))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             if self.fused:
-                return _fused_ops().add_rms_norm(x, residual, self.weight, self.eps), residual
+                weight = self._scale()
+                return _fused_ops().add_rms_norm(x, residual, weight, self.eps), residual
             residual = x + residual
             return self._norm(residual), residual
         if self.fused:
-            return _fused_ops().rms_norm(x, self.weight, self.eps)
+            return _fused_ops().rms_norm(x, self._scale(), self.eps)
         return self._norm(x)
+
+    def _scale(self) -> torch.Tensor:
+        """What the fused kernel multiplies by: w, or Gemma's 1 + w (float32, as it computes)."""
+        return self.weight + 1.0 if self.unit_offset else self.weight
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * x32.to(input_dtype)
 
 
@@ -105,6 +131,36 @@ class StackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+# Where a linear's checkpoint tensors hold its output features: dense weight [N, K] and
+# bias [N] along dim 0; AWQ qweight/qzeros [K/G or K, N/8] along dim 1 in units of 8
+# columns, scales [K/G, N] along dim 1.
+_OUTPUT_DIM_AND_UNIT = {"weight": (0, 1), "bias": (0, 1), "qweight": (1, 8), "qzeros": (1, 8)}
+
+
+def split_fused(suffix: str, tensor: Any, sizes: list[int]) -> list[Any]:
+    """Cut a checkpoint tensor of several fused linears (Phi-3's qkv_proj [q|k|v] and
+    gate_up_proj [gate|up]) into one piece per linear, along its output features.
+
+    `sizes` may be proportional (a tensor-parallel rank's share of each): the pieces keep
+    those proportions of the full tensor.
+    """
+    dim, unit = _OUTPUT_DIM_AND_UNIT.get(suffix, (1, 1))  # AWQ scales: dim 1, per column
+    if not isinstance(tensor, torch.Tensor):  # a quantized GGUF weight: cut whole rows
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size * (tensor.shape[0] // sum(sizes)))
+        return [tensor.rows(a, b) for a, b in itertools.pairwise(starts)]
+    total = tensor.shape[dim] * unit
+    if total % sum(sizes):
+        raise ValueError(
+            f"fused '{suffix}' of shape {tuple(tensor.shape)} cannot be split as {sizes}"
+        )
+    widths = [size * (total // sum(sizes)) for size in sizes]
+    if any(width % unit for width in widths):
+        raise ValueError(f"fused '{suffix}': pieces {widths} are not whole units of {unit}")
+    return list(tensor.split([width // unit for width in widths], dim=dim))
+
+
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
@@ -136,108 +192,58 @@ def dense_linear(
     return StackedLinear(in_features, output_sizes, bias, dtype, device)
 
 
-# ------------------------------------------------------------------ rotary
-def rope_inv_freq(
-    head_dim: int, rope_theta: float, scaling: dict[str, Any] | None, max_model_len: int
-) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (float32) of a rope config.
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up stacked in one matmul.
 
-    Supported `rope_type`s: default, linear, dynamic (NTK), llama3. `dynamic` is computed
-    once for `max_model_len` (as vLLM does): identical to transformers while sequences stay
-    within the original context, consistent across positions beyond it.
+    act: silu (SwiGLU: Llama, Qwen, Phi) or gelu_pytorch_tanh (GeGLU: Gemma). `prefix` names
+    the checkpoint module (model.layers.3.mlp, or model.layers.3.mlp.experts.7 for an expert).
+    With `fused` (the CPU fast path) the activation is one C++ kernel over [gate | up].
     """
-    base = float(rope_theta)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "dynamic" and scaling is not None:
-        factor = float(scaling["factor"])
-        original = int(scaling.get("original_max_position_embeddings") or max_model_len)
-        if max_model_len > original:
-            base = base * ((factor * max_model_len / original) - (factor - 1)) ** (
-                head_dim / (head_dim - 2)
-            )
-    inv_freq = 1.0 / (
-        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
-    )
-    if rope_type in ("default", "dynamic"):
-        pass
-    elif rope_type == "linear" and scaling is not None:
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type == "llama3" and scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, scaling)
-    else:
-        raise ValueError(
-            f"rope scaling type {rope_type!r} is not supported (default, linear, dynamic, llama3)"
-        )
-    return inv_freq
 
-
-def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1's rope: long wavelengths divided by `factor`, short ones kept, a ramp between."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    original = float(scaling["original_max_position_embeddings"])
-    low_freq_wavelen = original / low
-    high_freq_wavelen = original / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(in_between, blended, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half), cos/sin cached for every position."""
+    fused = False  # set per instance by enable_fused_cpu_kernels
 
     def __init__(
         self,
-        head_dim: int,
-        max_positions: int,
-        rope_theta: float,
-        scaling: dict[str, Any] | None,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        act: str,
+        prefix: str,
+        make_linear: LinearFactory,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, rope_theta, scaling, max_positions)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos().to(dtype).to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype).to(device), persistent=False)
-        # Every layer of one forward pass gets the same positions tensor: look its cos/sin
-        # rows up once per pass, not once per layer.
-        self._positions: torch.Tensor | None = None
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        # The fused kernel reads cos/sin [P, D/2] (the two halves of each row are equal).
-        self._half_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"MLP activation {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        self.intermediate = intermediate_size
+        self.act = _ACTIVATIONS[act]
+        self.gelu = act != "silu"
+        self.gate_up_proj = make_linear(
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias,
+            [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+            dtype,
+            device,
+        )
+        self.down_proj = make_linear(
+            intermediate_size, [hidden_size], bias, [f"{prefix}.down_proj"], dtype, device
+        )
 
-    fused = False  # set per instance by enable_fused_cpu_kernels
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k (in place when fused)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
         if self.fused:
-            half = self.cos.shape[1] // 2
-            if self._half_tables is None:
-                self._half_tables = (
-                    self.cos[:, :half].float().contiguous(),
-                    self.sin[:, :half].float().contiguous(),
-                )
-            _fused_ops().rotary_neox_(q, k, positions, *self._half_tables)
-            return q, k
-        if positions is not self._positions or self._cos_sin is None:
-            self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-            self._positions = positions
-        cos, sin = self._cos_sin  # [T, 1, D] each
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            return self.down_proj(_fused_ops().gated_act(gate_up, self.gelu))
+        gate, up = gate_up.split([self.intermediate, self.intermediate], dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
 
 
 # --------------------------------------------------------- embedding and head
@@ -329,16 +335,11 @@ class LMHead(nn.Module):
         return packed_matmul(hidden.float(), table.fast_weight)
 
 
-def silu_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
-    """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
-    if fused:
-        return _fused_ops().gated_act(gate_up, False)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def enable_fused_cpu_kernels(model: nn.Module) -> None:
-    """Switch a model's norms and rotary embeddings to the C++ kernels (the CPU fast path)."""
+    """Switch a model's norms, rotary embeddings and gated activations to the C++ kernels
+    (the CPU fast path). The rotary kernel turns whole heads: a partial rotary (Phi-4-mini)
+    stays in torch."""
     for module in model.modules():
-        if isinstance(module, RMSNorm | RotaryEmbedding):
+        whole_heads = isinstance(module, RotaryEmbedding) and module.rotary_dim == module.head_dim
+        if whole_heads or isinstance(module, RMSNorm | GatedMLP):
             module.fused = True

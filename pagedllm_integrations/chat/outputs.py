@@ -24,7 +24,7 @@ def read_choice(text: str, finish_reason: str | None, plan: ToolPlan | None) -> 
     """Tool calls are read out of the text when tools were offered."""
     if plan is None or not plan.tools:
         return ChatChoice(text, [], finish_reason)
-    content, calls = parse_tool_calls(text, plan.tools)
+    content, calls = parse_tool_calls(text, plan.tools, plan.tool_format)
     return ChatChoice(content, calls, "tool_calls" if calls else finish_reason)
 
 

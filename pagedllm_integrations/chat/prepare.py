@@ -39,9 +39,12 @@ class ChatOptions:
             parallel_tool_calls=bool(kwargs.pop("parallel_tool_calls", False)),
         )
 
-    def plan(self) -> ToolPlan:
-        """The tool plan of these options (see `plan_tools`)."""
-        return plan_tools(self.tools, self.tool_choice, self.structured, self.parallel_tool_calls)
+    def plan(self, tool_format: Any = None) -> ToolPlan:
+        """The tool plan of these options (see `plan_tools`), calls in `tool_format`'s markup
+        (the model's: `EngineClient.tool_format`)."""
+        return plan_tools(
+            self.tools, self.tool_choice, self.structured, self.parallel_tool_calls, tool_format
+        )
 
 
 @dataclass(slots=True)
@@ -78,6 +81,7 @@ def render_chat(
             tool_choice=tool_choice,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=template_kwargs,
+            tool_format=client.tool_format,
         )
     except (TemplateError, TypeError, KeyError, IndexError) as error:
         raise ChatRequestError(
@@ -104,7 +108,7 @@ def prepare_chat(
     `params.structured_outputs` is replaced by the plan's constraint; give a structured
     output in `options` so the tools/structure rule sees it.
     """
-    plan = (options or ChatOptions()).plan()
+    plan = (options or ChatOptions()).plan(client.tool_format)
     text = render_chat(
         client,
         messages,
@@ -119,7 +123,7 @@ def prepare_chat(
 
 def count_chat_tokens(client: EngineClient, messages: list[dict], tools: list | None = None) -> int:
     """Tokens the conversation takes as a prompt (template, tools and generation prompt)."""
-    plan = plan_tools(tools)
+    plan = plan_tools(tools, tool_format=client.tool_format)
     return len(
         prompt_token_ids(client, render_chat(client, messages, plan.tools, plan.tool_choice))
     )

@@ -23,7 +23,8 @@ class ToolCallGate:
     once) and what may be a tool call (held until the end, when the calls are read).
 
     Held: output that opens like a bare JSON call (`{`, `[`, a code fence), everything from
-    a `<tool_call>` tag on, and a tail that could be the start of that tag.
+    the model's call tag on (`<tool_call>`, `<|tool_call|>`; Gemma's calls have none), and a
+    tail that could be the start of that tag.
     """
 
     def __init__(self, call_open: str = CALL_OPEN) -> None:
@@ -44,12 +45,12 @@ class ToolCallGate:
             if head[0] in "{[`":
                 self.holding = True
                 return ""
-        index = self.pending.find(self.call_open)
+        index = self.pending.find(self.call_open) if self.call_open else -1
         if index >= 0:
             ready, self.pending = self.pending[:index], self.pending[index:]
             self.holding = True
         else:
-            keep = _partial_tag_length(self.pending, self.call_open)
+            keep = _partial_tag_length(self.pending, self.call_open) if self.call_open else 0
             cut = len(self.pending) - keep
             ready, self.pending = self.pending[:cut], self.pending[cut:]
         self.sent += ready
@@ -80,7 +81,8 @@ class ChoiceStream:
 
     def __init__(self, plan: ToolPlan | None = None):
         self.plan = plan
-        self.gate = ToolCallGate() if plan is not None and plan.tools else None
+        tools = plan is not None and plan.tools
+        self.gate = ToolCallGate(plan.call_open) if plan is not None and tools else None
         self.num_tokens = 0
         self.content = ""  # the content shown so far
         self.finished = False

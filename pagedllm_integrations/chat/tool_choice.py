@@ -75,6 +75,15 @@ class ToolPlan:
     tool_choice: str | NamedChoice
     constraint: StructuredOutputsParams | None  # the grammar the answer is decoded under
     forced: str | None  # "tool call" | "structured output": what an answer cut off loses
+    # The model's markup of calls (engine/tool_formats.py; None: the Hermes default).
+    tool_format: Any = None
+
+    @property
+    def call_open(self) -> str:
+        """The text a call starts with in this model's markup ("" when calls have none)."""
+        from ..engine.tool_formats import resolve_format
+
+        return resolve_format(self.tool_format).call_open
 
 
 def plan_tools(
@@ -82,6 +91,7 @@ def plan_tools(
     tool_choice: Any = None,
     structured: StructuredOutputsParams | None = None,
     parallel_tool_calls: bool = False,
+    tool_format: Any = None,
 ) -> ToolPlan:
     """The rule for tools against a structured output, for every front end.
 
@@ -89,7 +99,8 @@ def plan_tools(
     or a named tool) together with a structured output is a ValueError: the answer is
     decoded under one constraint, and it cannot be both a free choice of calling a tool and
     a document of a given shape (a silent preference would ignore one of the two settings).
-    "required" or a named tool forces a schema-valid call by constrained decoding.
+    "required" or a named tool forces a schema-valid call by constrained decoding, in
+    `tool_format`'s markup (the model's: `EngineClient.tool_format`).
     """
     try:
         normalized = normalize_tools(list(tools)) if tools else []
@@ -107,12 +118,14 @@ def plan_tools(
     if offered:
         try:
             forced_call = tool_call_constraint(
-                offered, choice, parallel_tool_calls=parallel_tool_calls
+                offered, choice, parallel_tool_calls=parallel_tool_calls, tool_format=tool_format
             )
         except ValueError as error:  # a tool schema the grammar compiler refuses
             raise ChatRequestError(str(error), "tools") from error
-        return ToolPlan(offered, choice, forced_call, "tool call" if forced_call else None)
-    return ToolPlan(None, choice, structured, "structured output" if structured else None)
+        forced = "tool call" if forced_call else None
+        return ToolPlan(offered, choice, forced_call, forced, tool_format)
+    forced = "structured output" if structured else None
+    return ToolPlan(None, choice, structured, forced, tool_format)
 
 
 def _describe(choice: str | NamedChoice) -> str:

@@ -1,0 +1,99 @@
+"""Self-attention over the paged KV cache, shared by every family.
+
+x [T, hidden] -> qkv_proj (one stacked matmul) -> q [T, Hq, D], k, v [T, Hkv, D]
+  -> q_norm / k_norm over D (Qwen3, Gemma 3)          optional
+  -> rotary (full or partial; per layer: Gemma 3's sliding layers have their own base)
+  -> reshape_and_cache into this layer's blocks
+  -> paged_attention (scale, sliding window and logit soft-cap of this layer)
+  -> o_proj -> [T, hidden]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...kernels import ops
+from ..attention_metadata import AttentionMetadata
+from .config import ModelConfig
+from .layers import LinearFactory, RMSNorm
+from .rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        prefix: str,
+        make_linear: LinearFactory,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = cfg.attention_scale
+        self.sliding_window = cfg.layer_sliding_window(layer)
+        self.logits_soft_cap = cfg.attn_logit_softcap
+        self.qkv_proj = make_linear(
+            cfg.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            cfg.qkv_bias,
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
+            dtype,
+            device,
+        )
+        self.o_proj = make_linear(
+            self.q_size, [cfg.hidden_size], cfg.o_bias, [f"{prefix}.o_proj"], dtype, device
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            offset = cfg.rms_norm_unit_offset
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, offset)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, hidden]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        out = torch.empty_like(q)
+        ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables,
+            self.scale,
+            sliding_window=self.sliding_window,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+            backend=meta.backend,
+            k_new=k,
+            v_new=v,
+            logits_soft_cap=self.logits_soft_cap,
+        )
+        return self.o_proj(out.view(num_tokens, self.q_size))
