@@ -5,6 +5,8 @@
 - throughput.png: output tokens/s against concurrent requests (benchmarks/concurrency.py)
 - prefix_cache_ttft.png: time to first token with and without a prefix-cache hit
   (benchmarks/prefix_cache.py)
+- cpu_peers.png: all tokens/s against sequences at once, pagedllm, llama.cpp and vLLM's CPU
+  build on the same CPU (benchmarks/cpu_peers.py)
 """
 
 from __future__ import annotations
@@ -64,6 +66,27 @@ def plot_prefix_cache(data: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_cpu_peers(data: dict, out: Path) -> None:
+    styles = {"pagedllm": "o-", "llama.cpp": "s--", "vllm": "^--"}
+    labels = {"pagedllm": "pagedllm (defaults)", "llama.cpp": "llama.cpp", "vllm": "vLLM CPU"}
+    levels = data["npl"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system, style in styles.items():
+        if system in data:
+            speeds = [data[system][str(n)]["all_tokens_per_s"] for n in levels]
+            ax.plot(levels, speeds, style, label=labels[system])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(x) for x in levels])
+    ax.set_xlabel("sequences at once (128 prompt + 128 generated tokens each)")
+    ax.set_ylabel("all tokens/s")
+    ax.set_title(f"SmolLM2-135M Q4_1 GGUF, {data['threads']} CPU threads")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
@@ -75,6 +98,7 @@ def main() -> int:
     charts = {
         "concurrency.json": (plot_concurrency, "throughput.png"),
         "prefix_cache.json": (plot_prefix_cache, "prefix_cache_ttft.png"),
+        "cpu_peers.json": (plot_cpu_peers, "cpu_peers.png"),
     }
     for source, (plot, name) in charts.items():
         if (results / source).exists():

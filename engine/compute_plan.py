@@ -1,7 +1,8 @@
 """How the model computes on this machine: dtypes, kernels, weight format — chosen once.
 
-    dtype="auto" on a CPU with bf16 instructions (AVX512-BF16 or AMX) and a C++ compiler:
-        the CPU fast path. Weights stay as the checkpoint packs them (GGUF Q4/Q5/Q6/Q8 and
+    dtype="auto" on a CPU with AVX-512 and a C++ compiler: the CPU fast path (bf16
+        products in hardware with AVX512-BF16 or AMX, else as float32 FMAs: same sums).
+        Weights stay as the checkpoint packs them (GGUF Q4/Q5/Q6/Q8 and
         AWQ 4-bit in exact packed forms, float checkpoints in bf16); linears multiply them
         with bf16 activations into float32 sums (quant/packed_linear.py); norms, rotary,
         activation, cache writes and decode attention run as C++ kernels; the residual
@@ -45,8 +46,8 @@ class ComputePlan:
     def describe(self) -> str:
         if self.fused_cpu:
             return (
-                "CPU fast path: packed / bf16 weights, bf16 GEMMs with float32 sums, fused C++ "
-                f"kernels, {_name(self.kv_cache_dtype)} KV cache ({self.reason})"
+                "CPU fast path: packed / bf16 weights, bf16 products with float32 sums, fused "
+                f"C++ kernels, {_name(self.kv_cache_dtype)} KV cache ({self.reason})"
             )
         return (
             f"{_name(self.dtype)} activations, {_name(self.kv_cache_dtype)} KV cache, "
@@ -58,17 +59,34 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cpu_has_bf16() -> bool:
-    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool({"avx512_bf16", "amx_bf16"} & flags)
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+def cpu_has_bf16() -> bool:
+    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+def cpu_fast_path_isa() -> str | None:
+    """The instruction set the C++ fast path runs on here, or None when it would be slow.
+
+    AVX512-BF16 / AMX multiply bf16 natively; plain AVX-512 (F and BW, e.g. Cascade Lake)
+    runs the same products as float32 FMAs: the same sums, bitwise, in about twice the
+    instructions, still far faster than float32 weights, which read 4-8x the bytes.
+    """
+    if cpu_has_bf16():
+        return "AVX512-BF16/AMX CPU"
+    if {"avx512f", "avx512bw"} <= _cpu_flags():
+        return "AVX-512 CPU, bf16 products as float32 FMAs"
+    return None
 
 
 def choose_plan(
@@ -117,10 +135,11 @@ def choose_plan(
 def _fast_path_available(tensor_parallel_size: int) -> tuple[bool, str]:
     if tensor_parallel_size > 1:
         return False, "tensor parallelism runs the float32 path"
-    if not cpu_has_bf16():
-        return False, "the CPU has no bf16 instructions (AVX512-BF16 or AMX)"
+    isa = cpu_fast_path_isa()
+    if isa is None:
+        return False, "the CPU has no AVX-512 (the fast path's kernels need AVX512F and BW)"
     from ..kernels import cpu_ext
 
     if not cpu_ext.load():
         return False, f"the C++ kernels are unavailable ({cpu_ext.load_error()})"
-    return True, "AVX512-BF16/AMX CPU"
+    return True, isa

@@ -51,13 +51,58 @@ inline float as_float(S v) {
   return static_cast<float>(v);
 }
 
+#ifdef PAGEDLLM_AVX512
+// 32 bf16 values in one 512-bit register, natural order: 32-bit lane l holds elements
+// 2l (low half) and 2l + 1 (high half). dot_bf16x32(acc, a, b) adds, in each lane l,
+// a[2l] * b[2l] and a[2l + 1] * b[2l + 1] to acc[l], as vdpbf16ps does.
 #ifdef PAGEDLLM_AVX512BF16
-// 32 float32 weights (lo = w[0..15], hi = w[16..31]) as 32 bf16 in natural order.
-inline __m512bh to_bf16x32(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
+using bf16x32 = __m512bh;
 
-inline __m512bh load_bf16x32(const bf16* p) {
+// 32 float32 weights (lo = w[0..15], hi = w[16..31]) as 32 bf16 in natural order.
+inline bf16x32 to_bf16x32(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
+
+inline bf16x32 load_bf16x32(const bf16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
+
+inline __m512 dot_bf16x32(__m512 acc, bf16x32 a, bf16x32 b) { return _mm512_dpbf16_ps(acc, a, b); }
+#else
+// AVX-512 without the BF16 extension (e.g. Cascade Lake): the same products in float32
+// FMAs. A bf16 widens to float32 exactly (the high half of a lane is already its float32
+// bit pattern once the low half is masked off; the low half is shifted up), and the
+// product of two bf16 values is exact in float32, so each fma rounds once: the sum of a
+// pair is rounded the way the vdpbf16ps emulation in the scalar fallback rounds it. About
+// 2x the instructions of vdpbf16ps: decode, which reads the weights, barely notices.
+using bf16x32 = __m512i;
+
+// 16 float32 -> 16 bf16 (round to nearest even) in the low half of each 32-bit lane. The
+// inputs are finite (decoded weights); activations are rounded by c10::BFloat16.
+inline __m512i round_to_bf16_lanes(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+}
+
+inline bf16x32 to_bf16x32(__m512 lo, __m512 hi) {
+  const __m256i low = _mm512_cvtepi32_epi16(round_to_bf16_lanes(lo));
+  const __m256i high = _mm512_cvtepi32_epi16(round_to_bf16_lanes(hi));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+inline bf16x32 load_bf16x32(const bf16* p) {
+  return _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+inline __m512 dot_bf16x32(__m512 acc, bf16x32 a, bf16x32 b) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512 a_even = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+  const __m512 b_even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+  const __m512 a_odd = _mm512_castsi512_ps(_mm512_and_si512(a, high_half));
+  const __m512 b_odd = _mm512_castsi512_ps(_mm512_and_si512(b, high_half));
+  return _mm512_fmadd_ps(a_odd, b_odd, _mm512_fmadd_ps(a_even, b_even, acc));
+}
+#endif
 
 // Row decoders: group g (32 weights) of one weight row as 32 bf16 in K order.
 template <typename S>
@@ -65,7 +110,7 @@ struct U4Row {
   const uint8_t* q;
   const S* scale;
   const S* mins;
-  inline __m512bh operator()(int64_t g) const {
+  inline bf16x32 operator()(int64_t g) const {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m512 s = _mm512_set1_ps(as_float(scale[g]));
@@ -90,14 +135,14 @@ struct I8Row {
     return mins != nullptr ? _mm512_fmadd_ps(v, s, _mm512_set1_ps(as_float(mins[g])))
                            : _mm512_mul_ps(v, s);
   }
-  inline __m512bh operator()(int64_t g32) const {
+  inline bf16x32 operator()(int64_t g32) const {
     return to_bf16x32(sixteen(g32 * 32), sixteen(g32 * 32 + 16));
   }
 };
 
 struct Bf16Row {
   const bf16* w;
-  inline __m512bh operator()(int64_t g) const { return load_bf16x32(w + g * 32); }
+  inline bf16x32 operator()(int64_t g) const { return load_bf16x32(w + g * 32); }
 };
 
 // Outputs first .. first + J for x rows 0 .. M.
@@ -110,11 +155,11 @@ inline void dot_direct(const MakeRow& make_row, int64_t first, const bf16* xb, i
   for (int r = 0; r < M; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < k / 32; ++g) {
-    __m512bh xv[M];
+    bf16x32 xv[M];
     for (int r = 0; r < M; ++r) xv[r] = load_bf16x32(xb + r * k + g * 32);
     for (int j = 0; j < J; ++j) {
-      const __m512bh w = rows[j](g);
-      for (int r = 0; r < M; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w, xv[r]);
+      const bf16x32 w = rows[j](g);
+      for (int r = 0; r < M; ++r) acc[r][j] = dot_bf16x32(acc[r][j], w, xv[r]);
     }
   }
   for (int r = 0; r < M; ++r)
@@ -129,11 +174,11 @@ inline void block_kernel(const bf16* xb, const bf16* tile, int64_t k, float* out
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < k / 32; ++g) {
-    __m512bh w[J];
+    bf16x32 w[J];
     for (int j = 0; j < J; ++j) w[j] = load_bf16x32(tile + j * k + g * 32);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = load_bf16x32(xb + r * k + g * 32);
-      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], xv);
+      const bf16x32 xv = load_bf16x32(xb + r * k + g * 32);
+      for (int j = 0; j < J; ++j) acc[r][j] = dot_bf16x32(acc[r][j], w[j], xv);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -180,7 +225,7 @@ void decode_rows(const MakeRow& make_row, int64_t first, int64_t count, int64_t 
   }
 }
 
-#else  // no AVX512-BF16: the same recipe in plain C++ (slow; the engine avoids this path)
+#else  // no AVX-512: the same recipe in plain C++ (slow; the engine avoids this path)
 
 template <typename S>
 struct U4Row {
@@ -251,7 +296,7 @@ Tensor packed_matmul(const Tensor& x_in, int64_t n, int64_t k, const MakeRow& ma
   Tensor out = at::empty({m, n}, x.options());
   float* op = out.data_ptr<float>();
   const int64_t num_tiles = (n + kTileRows - 1) / kTileRows;
-#ifdef PAGEDLLM_AVX512BF16
+#ifdef PAGEDLLM_AVX512
   if (m <= kDirectRows) {
     at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
       const int64_t last = std::min(n, end * kTileRows);
