@@ -86,6 +86,22 @@ class TestChatPagedLLMIntegration(ChatModelIntegrationTests):
             return full
         return model.invoke(messages)
 
+    def test_unicode_tool_call_integration(
+        self,
+        model: ChatPagedLLM,
+        *,
+        tool_choice: str | None = None,
+        force_tool_call: bool = True,
+    ) -> None:
+        # The forced call quotes a Japanese name and description, a few tokens per character:
+        # the class-wide max_tokens=96 cuts it, which now raises IncompleteOutputError (as it
+        # should) instead of passing as an answer without the call. Give the call room.
+        super().test_unicode_tool_call_integration(
+            model.model_copy(update={"max_tokens": 320}),
+            tool_choice=tool_choice,
+            force_tool_call=force_tool_call,
+        )
+
     # ------------------------------------------------------ what a 135M model cannot do
     @small_model_xfail(
         "test_tool_calling",
