@@ -1,26 +1,19 @@
-// Linears of the CPU fast path: packed quantized weights (GGUF, AWQ) and dense bf16 ones.
+// Linears of the CPU fast path over dense bf16 weights (float checkpoints held in bf16;
+// packed quantized weights have their own kernels in linear_packed.cpp).
 //
 // Shapes (N out features, K in features, M rows of x):
-//   u4    w[n, k] = scale[n, g] * q[n, k] + min[n, g],  g = k / 32, q in 0..15
-//         qweight uint8 [N, K/2]: per group of 32 weights, 16 bytes, byte j = q[j] | q[j+16] << 4
-//         (GGUF's own nibble order for Q4_0 / Q4_1 blocks); scales, mins [N, K/32]
-//   i8    w[n, k] = scale[n, g] * q[n, k] (+ min[n, g]),  g = k / G, G in {16, 32}
-//         qweight int8 [N, K]; scales [N, K/G]; mins [N, K/G] or empty
-//   bf16  weight bf16 [N, K]
-//   scales and mins float32, or float16 where every value is exact in float16
-//   x float32 [M, K] -> y float32 [M, N];  K a multiple of 32
+//   weight bf16 [N, K];  x float32 [M, K] -> y float32 [M, N];  K a multiple of 32
 //
-// The recipe: a weight is dequantized exactly (fma(q, scale, min) in float32, the value
-// llama.cpp dequantizes to) and rounded to bf16; x is rounded to bf16; y[m, n] is summed by
-// vdpbf16ps into one 16-lane float32 accumulator over the K groups of 32 in order, then
-// reduced by a fixed tree (reduce16). Both kernels run that one sequence of operations for
-// every output element, so an element is bitwise the same whatever the batch size and
-// whichever kernel computed it: a request's tokens never depend on what shares its step.
+// The recipe: x is rounded to bf16; y[m, n] is summed by vdpbf16ps into one 16-lane float32
+// accumulator over the K groups of 32 in order, then reduced by a fixed tree (reduce16).
+// Both kernels run that one sequence of operations for every output element, so an element
+// is bitwise the same whatever the batch size and whichever kernel computed it: a request's
+// tokens never depend on what shares its step.
 //
-//   few rows (M <= kDirectRows): each weight group is decoded in registers and dotted with
+//   few rows (M <= kDirectRows): each weight group is loaded in registers and dotted with
 //     every row, four weight rows at a time (independent accumulator chains);
-//   more rows: each thread decodes kTileRows weight rows into a bf16 tile once, then runs
-//     a 4 x 4 register-blocked kernel over all M rows.
+//   more rows: each thread copies kTileRows weight rows into a tile once, then runs a
+//     4 x 4 register-blocked kernel over all M rows.
 
 #include "common.h"
 
@@ -41,25 +34,12 @@ const bf16* activations_bf16(const Tensor& x) {
   return buffer.data();
 }
 
-template <typename S>
-inline float as_float(S v) {
-  if constexpr (std::is_same_v<S, at::Half>) {
-#ifdef PAGEDLLM_AVX512
-    return _cvtsh_ss(v.x);  // one F16C instruction
-#endif
-  }
-  return static_cast<float>(v);
-}
-
 #ifdef PAGEDLLM_AVX512
 // 32 bf16 values in one 512-bit register, natural order: 32-bit lane l holds elements
 // 2l (low half) and 2l + 1 (high half). dot_bf16x32(acc, a, b) adds, in each lane l,
 // a[2l] * b[2l] and a[2l + 1] * b[2l + 1] to acc[l], as vdpbf16ps does.
 #ifdef PAGEDLLM_AVX512BF16
 using bf16x32 = __m512bh;
-
-// 32 float32 weights (lo = w[0..15], hi = w[16..31]) as 32 bf16 in natural order.
-inline bf16x32 to_bf16x32(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
 
 inline bf16x32 load_bf16x32(const bf16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
@@ -72,23 +52,8 @@ inline __m512 dot_bf16x32(__m512 acc, bf16x32 a, bf16x32 b) { return _mm512_dpbf
 // bit pattern once the low half is masked off; the low half is shifted up), and the
 // product of two bf16 values is exact in float32, so each fma rounds once: the sum of a
 // pair is rounded the way the vdpbf16ps emulation in the scalar fallback rounds it. About
-// 2x the instructions of vdpbf16ps: decode, which reads the weights, barely notices.
+// 2x the instructions of vdpbf16ps.
 using bf16x32 = __m512i;
-
-// 16 float32 -> 16 bf16 (round to nearest even) in the low half of each 32-bit lane. The
-// inputs are finite (decoded weights); activations are rounded by c10::BFloat16.
-inline __m512i round_to_bf16_lanes(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
-  return _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-}
-
-inline bf16x32 to_bf16x32(__m512 lo, __m512 hi) {
-  const __m256i low = _mm512_cvtepi32_epi16(round_to_bf16_lanes(lo));
-  const __m256i high = _mm512_cvtepi32_epi16(round_to_bf16_lanes(hi));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-}
 
 inline bf16x32 load_bf16x32(const bf16* p) {
   return _mm512_loadu_si512(reinterpret_cast<const void*>(p));
@@ -104,42 +69,7 @@ inline __m512 dot_bf16x32(__m512 acc, bf16x32 a, bf16x32 b) {
 }
 #endif
 
-// Row decoders: group g (32 weights) of one weight row as 32 bf16 in K order.
-template <typename S>
-struct U4Row {
-  const uint8_t* q;
-  const S* scale;
-  const S* mins;
-  inline bf16x32 operator()(int64_t g) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 s = _mm512_set1_ps(as_float(scale[g]));
-    const __m512 mn = _mm512_set1_ps(as_float(mins[g]));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    const __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-    return to_bf16x32(_mm512_fmadd_ps(lo, s, mn), _mm512_fmadd_ps(hi, s, mn));
-  }
-};
-
-template <typename S, int G>
-struct I8Row {
-  const int8_t* q;
-  const S* scale;
-  const S* mins;  // may be null
-  inline __m512 sixteen(int64_t start) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + start));
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    const int64_t g = start / G;
-    const __m512 s = _mm512_set1_ps(as_float(scale[g]));
-    return mins != nullptr ? _mm512_fmadd_ps(v, s, _mm512_set1_ps(as_float(mins[g])))
-                           : _mm512_mul_ps(v, s);
-  }
-  inline bf16x32 operator()(int64_t g32) const {
-    return to_bf16x32(sixteen(g32 * 32), sixteen(g32 * 32 + 16));
-  }
-};
-
+// Group g (32 weights) of one bf16 weight row.
 struct Bf16Row {
   const bf16* w;
   inline bf16x32 operator()(int64_t g) const { return load_bf16x32(w + g * 32); }
@@ -227,34 +157,6 @@ void decode_rows(const MakeRow& make_row, int64_t first, int64_t count, int64_t 
 
 #else  // no AVX-512: the same recipe in plain C++ (slow; the engine avoids this path)
 
-template <typename S>
-struct U4Row {
-  const uint8_t* q;
-  const S* scale;
-  const S* mins;
-  inline void operator()(int64_t g, bf16* w) const {
-    const float s = as_float(scale[g]), mn = as_float(mins[g]);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = bf16(std::fma(static_cast<float>(q[g * 16 + j] & 0x0F), s, mn));
-      w[j + 16] = bf16(std::fma(static_cast<float>(q[g * 16 + j] >> 4), s, mn));
-    }
-  }
-};
-
-template <typename S, int G>
-struct I8Row {
-  const int8_t* q;
-  const S* scale;
-  const S* mins;
-  inline void operator()(int64_t g32, bf16* w) const {
-    for (int j = 0; j < 32; ++j) {
-      const int64_t i = g32 * 32 + j, g = i / G;
-      const float v = static_cast<float>(q[i]), s = as_float(scale[g]);
-      w[j] = bf16(mins != nullptr ? std::fma(v, s, as_float(mins[g])) : v * s);
-    }
-  }
-};
-
 struct Bf16Row {
   const bf16* w;
   inline void operator()(int64_t g, bf16* out) const { std::copy(w + g * 32, w + g * 32 + 32, out); }
@@ -325,85 +227,6 @@ Tensor packed_matmul(const Tensor& x_in, int64_t n, int64_t k, const MakeRow& ma
   return out;
 }
 
-void check_scales(const Tensor& scales, const Tensor& mins) {
-  check_cpu_contiguous(scales, "scales");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
-              "scales must be float32 or float16");
-  TORCH_CHECK(mins.numel() == 0 || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
-                                    mins.scalar_type() == scales.scalar_type()),
-              "mins must be empty or shaped and typed like scales");
-}
-void check_u4(const Tensor& qweight, const Tensor& scales, const Tensor& mins) {
-  check_cpu_contiguous(qweight, "qweight");
-  check_scales(scales, mins);
-  TORCH_CHECK(mins.numel() > 0, "u4 weights need mins");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte, "u4 qweight must be uint8 [N, K/2]");
-  const int64_t n = qweight.size(0), groups = qweight.size(1) * 2 / 32;
-  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups, "scales must be [N, K/32]");
-}
-void check_i8(const Tensor& qweight, const Tensor& scales, const Tensor& mins, int64_t group) {
-  check_cpu_contiguous(qweight, "qweight");
-  check_scales(scales, mins);
-  TORCH_CHECK(qweight.scalar_type() == at::kChar, "i8 qweight must be int8 [N, K]");
-  TORCH_CHECK((group == 16 || group == 32) && qweight.size(1) % 32 == 0,
-              "i8 groups must be 16 or 32 values and K a multiple of 32");
-  const int64_t n = qweight.size(0), groups = qweight.size(1) / group;
-  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups, "scales must be [N, K/G]");
-}
-
-template <typename S>
-U4Row<S> u4_row(const Tensor& qweight, const Tensor& scales, const Tensor& mins, int64_t row) {
-  const int64_t k = qweight.size(1) * 2, groups = k / 32;
-  return U4Row<S>{qweight.data_ptr<uint8_t>() + row * (k / 2),
-                  scales.data_ptr<S>() + row * groups, mins.data_ptr<S>() + row * groups};
-}
-
-template <typename S, int G>
-I8Row<S, G> i8_row(const Tensor& qweight, const Tensor& scales, const Tensor& mins,
-                   int64_t row) {
-  const int64_t k = qweight.size(1), groups = k / G;
-  return I8Row<S, G>{qweight.data_ptr<int8_t>() + row * k, scales.data_ptr<S>() + row * groups,
-                     mins.numel() > 0 ? mins.data_ptr<S>() + row * groups : nullptr};
-}
-
-// Calls body(make_row) with the row maker of a weight, for its scales' type and group.
-template <typename Body>
-Tensor with_u4_rows(const Tensor& qweight, const Tensor& scales, const Tensor& mins, Body body) {
-  check_u4(qweight, scales, mins);
-  if (scales.scalar_type() == at::kHalf)
-    return body([&](int64_t r) { return u4_row<at::Half>(qweight, scales, mins, r); });
-  return body([&](int64_t r) { return u4_row<float>(qweight, scales, mins, r); });
-}
-
-template <typename Body>
-Tensor with_i8_rows(const Tensor& qweight, const Tensor& scales, const Tensor& mins,
-                    int64_t group, Body body) {
-  check_i8(qweight, scales, mins, group);
-  const bool half = scales.scalar_type() == at::kHalf;
-  if (group == 16) {
-    if (half) return body([&](int64_t r) { return i8_row<at::Half, 16>(qweight, scales, mins, r); });
-    return body([&](int64_t r) { return i8_row<float, 16>(qweight, scales, mins, r); });
-  }
-  if (half) return body([&](int64_t r) { return i8_row<at::Half, 32>(qweight, scales, mins, r); });
-  return body([&](int64_t r) { return i8_row<float, 32>(qweight, scales, mins, r); });
-}
-
-// x [M, K] float32; qweight uint8 [N, K/2]; scales, mins [N, K/32] -> [M, N] float32
-Tensor u4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                 const Tensor& mins) {
-  return with_u4_rows(qweight, scales, mins, [&](const auto& make_row) {
-    return packed_matmul(x, qweight.size(0), qweight.size(1) * 2, make_row);
-  });
-}
-
-// x [M, K] float32; qweight int8 [N, K]; scales [N, K/G]; mins [N, K/G] or empty.
-Tensor i8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                 const Tensor& mins, int64_t group) {
-  return with_i8_rows(qweight, scales, mins, group, [&](const auto& make_row) {
-    return packed_matmul(x, qweight.size(0), qweight.size(1), make_row);
-  });
-}
-
 // x [M, K] float32; weight bf16 [N, K] -> [M, N] float32
 Tensor bf16_linear(const Tensor& x, const Tensor& weight) {
   check_cpu_contiguous(weight, "weight");
@@ -413,73 +236,9 @@ Tensor bf16_linear(const Tensor& x, const Tensor& weight) {
   return packed_matmul(x, weight.size(0), k, [&](int64_t r) { return Bf16Row{wp + r * k}; });
 }
 
-// The bf16 [N, K] weight the kernels multiply by (for tests).
-template <typename MakeRow>
-Tensor decode_all(int64_t n, int64_t k, const MakeRow& make_row, const at::TensorOptions& opts) {
-  Tensor out = at::empty({n, k}, opts.dtype(at::kBFloat16));
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, n, kTileRows, [&](int64_t begin, int64_t end) {
-    decode_rows(make_row, begin, end - begin, k, op + begin * k);
-  });
-  return out;
-}
-
-Tensor u4_dequant_bf16(const Tensor& qweight, const Tensor& scales, const Tensor& mins) {
-  return with_u4_rows(qweight, scales, mins, [&](const auto& make_row) {
-    return decode_all(qweight.size(0), qweight.size(1) * 2, make_row, qweight.options());
-  });
-}
-
-Tensor i8_dequant_bf16(const Tensor& qweight, const Tensor& scales, const Tensor& mins,
-                       int64_t group) {
-  return with_i8_rows(qweight, scales, mins, group, [&](const auto& make_row) {
-    return decode_all(qweight.size(0), qweight.size(1), make_row, qweight.options());
-  });
-}
-
-Tensor i8_embedding(const Tensor& ids_in, const Tensor& qweight, const Tensor& scales,
-                    const Tensor& mins, int64_t group) {
-  check_i8(qweight, scales, mins, group);
-  Tensor ids = ids_in.to(at::kLong).contiguous();
-  const int64_t t = ids.numel(), k = qweight.size(1), n = qweight.size(0), num_groups = k / group;
-  const bool has_mins = mins.numel() > 0;
-  Tensor out = at::empty({t, k}, qweight.options().dtype(at::kFloat));
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  const int8_t* qp = qweight.data_ptr<int8_t>();
-  float* op = out.data_ptr<float>();
-  auto lookup = [&](const auto* sp, const auto* mp) {
-    for (int64_t i = 0; i < t; ++i) {
-      const int64_t row = idp[i];
-      TORCH_CHECK(row >= 0 && row < n, "token id ", row, " is outside the table of ", n);
-      for (int64_t g = 0; g < num_groups; ++g) {
-        const float s = static_cast<float>(sp[row * num_groups + g]);
-        const float mn = has_mins ? static_cast<float>(mp[row * num_groups + g]) : 0.f;
-        for (int64_t j = 0; j < group; ++j)
-          op[i * k + g * group + j] =
-              std::fma(static_cast<float>(qp[row * k + g * group + j]), s, mn);
-      }
-    }
-  };
-  if (scales.scalar_type() == at::kHalf)
-    lookup(scales.data_ptr<at::Half>(), has_mins ? mins.data_ptr<at::Half>() : nullptr);
-  else
-    lookup(scales.data_ptr<float>(), has_mins ? mins.data_ptr<float>() : nullptr);
-  return out;
-}
-
 }  // namespace
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("u4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor",
-        &pagedllm::u4_linear);
-  m.def("i8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group) -> Tensor",
-        &pagedllm::i8_linear);
   m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor", &pagedllm::bf16_linear);
-  m.def("u4_dequant_bf16(Tensor qweight, Tensor scales, Tensor mins) -> Tensor",
-        &pagedllm::u4_dequant_bf16);
-  m.def("i8_dequant_bf16(Tensor qweight, Tensor scales, Tensor mins, int group) -> Tensor",
-        &pagedllm::i8_dequant_bf16);
-  m.def("i8_embedding(Tensor ids, Tensor qweight, Tensor scales, Tensor mins, int group) -> Tensor",
-        &pagedllm::i8_embedding);
 }
