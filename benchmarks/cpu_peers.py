@@ -58,7 +58,12 @@ def _peak_rss_mib() -> float:
 def worker_pagedllm(args: argparse.Namespace) -> dict:
     from pagedllm_integrations import LLM, SamplingParams
 
-    llm = LLM(args.model, kv_cache_memory=args.kv_bytes, disable_log_stats=True)
+    llm = LLM(
+        args.model,
+        kv_cache_memory=args.kv_bytes,
+        max_model_len=PROMPT + GEN + 16,  # as vLLM gets it below
+        disable_log_stats=True,
+    )
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in _prompts(1, 99)], params, use_tqdm=False)
     results = {"plan": llm.engine.engine.plan.describe()}
