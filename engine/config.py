@@ -40,7 +40,7 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks; 0 = recompute
     # A directory where prefix-cache blocks outlive the process (engine/disk_prefix_cache.py)
     prefix_cache_dir: str | None = None
-    prefix_cache_max_gib: float = 16.0  # size limit of that directory (all models in it)
+    prefix_cache_max_gib: float = 8.0  # size limit of that directory (all models in it)
     scheduling_policy: Any = "fcfs"  # "fcfs" | "priority" | a SchedulingPolicy instance
     # auto (triton on CUDA; on CPU the fast path's C++ kernels, else torch) | torch | triton | cpu
     attention_backend: str = "auto"

@@ -54,16 +54,32 @@ _MAX_COUNTED_BLOCKS = 1 << 16  # per-block hit counts kept (least recently hit d
 _MAX_KNOWN_ON_DISK = 1 << 20
 
 
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in block_ids, first block id, length) of each run of consecutive ids.
+
+    Blocks move run by run, one slice copy per run and layer: torch's index_select and
+    index_copy_ on bf16 CPU tensors run at a tenth of memcpy speed, and fresh blocks come
+    off the free queue mostly in order."""
+    runs: list[tuple[int, int, int]] = []
+    for position, block_id in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((position, block_id, 1))
+    return runs
+
+
 def gather_blocks(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]
 ) -> torch.Tensor:
     """Copy blocks out of the KV cache: [n, layers, 2, elements of one block] on the CPU."""
     k0 = kv_caches[0][0]
-    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
     out = torch.empty((len(block_ids), len(kv_caches), 2, k0[0].numel()), dtype=k0.dtype)
-    for layer, (k, v) in enumerate(kv_caches):
-        out[:, layer, 0] = k.index_select(0, index).reshape(len(block_ids), -1).cpu()
-        out[:, layer, 1] = v.index_select(0, index).reshape(len(block_ids), -1).cpu()
+    for position, first, length in _runs(block_ids):
+        rows = out[position : position + length]
+        for layer, (k, v) in enumerate(kv_caches):
+            rows[:, layer, 0].copy_(k[first : first + length].reshape(length, -1))
+            rows[:, layer, 1].copy_(v[first : first + length].reshape(length, -1))
     return out
 
 
@@ -71,15 +87,12 @@ def scatter_blocks(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], data: torch.Tensor
 ) -> None:
     """Write blocks into the KV cache: data [n, layers, 2, elements] from gather_blocks."""
-    k0 = kv_caches[0][0]
-    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
-    for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(
-            0, index, data[:, layer, 0].reshape(len(block_ids), *k.shape[1:]).to(k.device)
-        )
-        v.index_copy_(
-            0, index, data[:, layer, 1].reshape(len(block_ids), *v.shape[1:]).to(v.device)
-        )
+    data = data.to(kv_caches[0][0].device)
+    for position, first, length in _runs(block_ids):
+        rows = data[position : position + length]
+        for layer, (k, v) in enumerate(kv_caches):
+            k[first : first + length].view(length, -1).copy_(rows[:, layer, 0])
+            v[first : first + length].view(length, -1).copy_(rows[:, layer, 1])
 
 
 class DiskPrefixCache:

@@ -30,7 +30,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep prefix-cache blocks in this directory, for later processes (default: none)",
     )
     parser.add_argument(
-        "--prefix-cache-max-gib", type=float, default=16.0, help="size limit of that directory"
+        "--prefix-cache-max-gib", type=float, default=8.0, help="size limit of that directory"
     )
     parser.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
