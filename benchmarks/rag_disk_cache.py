@@ -12,7 +12,10 @@ submission to the first streamed token:
 - warm: the directory an earlier process left after `save_prefix(system prompt)`.
 
 Cold and warm runs alternate, so load on shared cores falls on both alike. Greedy outputs
-must be identical in every run; the script checks it. Prints a table and the ratio, and
+must be identical in every run; the script checks it. `--threads N` runs both with N torch
+threads (OMP_NUM_THREADS): on a machine whose cores are busy with other work, every
+OpenMP region of a forward pass waits for a core, a fixed cost per step that weighs on
+the warm run's short step far more than on the cold run's long one. Prints a table and the ratio, and
 writes benchmarks/results/rag_disk_cache.json.
 
 `measure_disk_cache_ttft(...)` returns the results as a dict (for benchmarks/rag_fast_path.py).
@@ -107,13 +110,20 @@ def child(
 
 
 def _run_child(
-    mode: str, directory: Path, model: str | None, system_tokens: int, max_tokens: int
+    mode: str,
+    directory: Path,
+    model: str | None,
+    system_tokens: int,
+    max_tokens: int,
+    threads: int | None,
 ) -> dict:
     command = [sys.executable, __file__, "--child", mode, "--dir", str(directory)]
     command += ["--system-tokens", str(system_tokens), "--max-tokens", str(max_tokens)]
     if model is not None:
         command += ["--model", model]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{mode} process failed:\n{done.stderr[-3000:]}")
@@ -122,21 +132,24 @@ def _run_child(
 
 # ---------------------------------------------------------------- the measurement
 def measure_disk_cache_ttft(
-    model: str | None = None, system_tokens: int = 2000, repeats: int = 3, max_tokens: int = 32
+    model: str | None = None,
+    system_tokens: int = 2000,
+    repeats: int = 3,
+    max_tokens: int = 32,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Cold and warm fresh-process TTFT (medians over `repeats` each); raises if any run's
     greedy tokens differ."""
     work = Path(tempfile.mkdtemp(prefix="pagedllm-disk-cache-"))
     try:
         warm_dir = work / "warm"
-        saved = _run_child("save", warm_dir, model, system_tokens, max_tokens)
+        saved = _run_child("save", warm_dir, model, system_tokens, max_tokens, threads)
         files = [f.stat().st_size for f in warm_dir.rglob("*.kv")]
         cold_runs, warm_runs = [], []
         for index in range(repeats):
-            cold_runs.append(
-                _run_child("ask", work / f"cold{index}", model, system_tokens, max_tokens)
-            )
-            warm_runs.append(_run_child("ask", warm_dir, model, system_tokens, max_tokens))
+            cold_dir = work / f"cold{index}"
+            cold_runs.append(_run_child("ask", cold_dir, model, system_tokens, max_tokens, threads))
+            warm_runs.append(_run_child("ask", warm_dir, model, system_tokens, max_tokens, threads))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     reference = cold_runs[0]["tokens"]
@@ -163,6 +176,7 @@ def measure_disk_cache_ttft(
         "load_s_warm": statistics.median(run["load_s"] for run in warm_runs),
         "same_outputs": same,
         "repeats": repeats,
+        "threads": threads or "default",
         "cold_runs_ttft_s": [run["ttft_s"] for run in cold_runs],
         "warm_runs_ttft_s": [run["ttft_s"] for run in warm_runs],
         "load_average": os.getloadavg()[0],
@@ -172,7 +186,8 @@ def measure_disk_cache_ttft(
 def print_table(results: dict[str, Any]) -> None:
     print(
         f"fresh process, {results['system_tokens']}-token system prompt "
-        f"({results['prompt_tokens']} prompt tokens), median of {results['repeats']}:"
+        f"({results['prompt_tokens']} prompt tokens), median of {results['repeats']}, "
+        f"torch threads: {results['threads']}:"
     )
     print(f"{'disk cache':<12}{'TTFT':>10}{'cached':>9}{'from disk':>11}")
     print(f"{'cold':<12}{results['cold_ttft_s']:>9.3f}s{results['cold_cached_tokens']:>9}{0:>11}")
@@ -194,6 +209,7 @@ def main() -> int:
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
     parser.add_argument("--json", default=str(RESULTS))
     parser.add_argument("--child", choices=["save", "ask"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -203,7 +219,9 @@ def main() -> int:
             json.dumps(child(args.child, args.dir, args.model, args.system_tokens, args.max_tokens))
         )
         return 0
-    results = measure_disk_cache_ttft(args.model, args.system_tokens, args.repeats, args.max_tokens)
+    results = measure_disk_cache_ttft(
+        args.model, args.system_tokens, args.repeats, args.max_tokens, args.threads
+    )
     print_table(results)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

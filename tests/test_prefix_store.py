@@ -151,3 +151,27 @@ def test_a_directory_that_cannot_be_written_is_a_clear_error(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="cannot be used"):
         make_store(blocker)
+
+
+def test_blocks_move_out_of_and_into_the_kv_cache_unchanged():
+    import torch
+
+    from pagedllm_integrations.engine.disk_prefix_cache import gather_blocks, scatter_blocks
+
+    torch.manual_seed(0)
+    # The fast path's layout: k [blocks, Hkv, D, block_size], v [blocks, Hkv, block_size, D].
+    caches = [
+        (torch.randn(12, 2, 8, 16).bfloat16(), torch.randn(12, 2, 16, 8).bfloat16())
+        for _ in range(3)
+    ]
+    source = [5, 6, 7, 2, 9, 10]  # runs of consecutive ids and single ones
+    data = gather_blocks(caches, source)  # [6, layers, 2, 256]
+    assert data.shape == (6, 3, 2, 256)
+    target = [0, 1, 11, 3, 4, 8]
+    fresh = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
+    scatter_blocks(fresh, target, data)
+    for (k, v), (k2, v2) in zip(caches, fresh):
+        for src, dst in zip(source, target):
+            assert torch.equal(k2[dst], k[src]) and torch.equal(v2[dst], v[src])
+        untouched = sorted(set(range(12)) - set(target))
+        assert not k2[untouched].any() and not v2[untouched].any()
