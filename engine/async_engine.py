@@ -33,6 +33,7 @@ from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestGroup
 from .metrics import SchedulerStats
 from .outputs import RequestOutput
+from .sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,21 @@ class AsyncEngine(EngineClient):
 
     def reset_prefix_cache(self) -> bool:
         return self.call(self.engine.reset_prefix_cache)
+
+    def save_prefix(self, prompt, cache_salt: str | None = None) -> int:
+        """See `EngineClient.save_prefix`: the prompt runs as a one-token request, and its
+        blocks are copied out right after the step that computes it."""
+        if self.config.prefix_cache_dir is None:
+            raise ValueError("save_prefix needs a prefix-cache directory: set prefix_cache_dir")
+        params = SamplingParams(
+            temperature=0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        group = self.process_inputs(prompt, params, cache_salt=cache_salt)
+        saved = self.call(lambda: self.engine.save_prefix(group.children[0]))
+        output = self.submit(group).result()
+        if output.outputs[0].finish_reason == "abort":
+            return 0
+        return saved.result()
 
     def scheduler_stats(self) -> SchedulerStats:
         """A snapshot of the scheduler's gauges, taken on the engine thread."""

@@ -150,6 +150,10 @@ class EngineClient(ABC):
             if not stream.finished:
                 self.abort(stream.request_id)
 
+    def precompute(self, prompt: PromptType, cache_salt: str | None = None) -> int:
+        """The same as `save_prefix(prompt)`."""
+        return self.save_prefix(prompt, cache_salt)
+
     def close(self: Any) -> None:
         """The same as `shutdown()`."""
         self.shutdown()
@@ -205,6 +209,14 @@ class EngineClient(ABC):
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def save_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> int:
+        """Compute `prompt` (what the prefix cache does not hold already) and write its full
+        KV blocks to the prefix-cache directory, so that later requests that start with it,
+        in this process or in a new one, load them instead of computing them. Returns the
+        prompt tokens now on disk (whole blocks; a trailing partial block is not saved).
+        A ValueError when the engine has no `prefix_cache_dir`."""
 
     @abstractmethod
     def add_stat_logger(self, stat_logger: Any) -> None: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides both budgets above (tests)
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks; 0 = recompute
+    # A directory where prefix-cache blocks outlive the process (engine/disk_prefix_cache.py)
+    prefix_cache_dir: str | None = None
+    prefix_cache_max_gib: float = 8.0  # size limit of that directory (all models in it)
     scheduling_policy: Any = "fcfs"  # "fcfs" | "priority" | a SchedulingPolicy instance
     # auto (triton on CUDA; on CPU the fast path's C++ kernels, else torch) | torch | triton | cpu
     attention_backend: str = "auto"
@@ -79,6 +83,7 @@ class EngineConfig:
             raise ValueError("swap_space must be >= 0 GiB")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        self._check_prefix_cache_dir()
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be >= 1")
         if self.distributed_executor_backend not in (None, "mp", "ray"):
@@ -90,6 +95,31 @@ class EngineConfig:
             raise ValueError(
                 f"data_parallel_size {self.data_parallel_size} runs replicas on Ray: also set "
                 "distributed_executor_backend='ray' (and pip install ray)"
+            )
+
+    def _check_prefix_cache_dir(self) -> None:
+        if not self.prefix_cache_max_gib > 0:
+            raise ValueError(f"prefix_cache_max_gib must be > 0, got {self.prefix_cache_max_gib}")
+        if self.prefix_cache_dir is None:
+            return
+        if not isinstance(self.prefix_cache_dir, str | os.PathLike) or not str(
+            self.prefix_cache_dir
+        ):
+            raise ValueError(
+                f"prefix_cache_dir must be a directory path, got {self.prefix_cache_dir!r}"
+            )
+        self.prefix_cache_dir = os.path.abspath(
+            os.path.expanduser(os.fspath(self.prefix_cache_dir))
+        )
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "prefix_cache_dir keeps prefix-cache blocks on disk: it needs "
+                "enable_prefix_caching=True"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "prefix_cache_dir is not supported with tensor_parallel_size > 1 (each rank "
+                "holds a slice of every block in another process); leave one of them unset"
             )
 
     @classmethod

@@ -18,6 +18,8 @@ One request's blocks after `allocate_slots(req, num_new_tokens, hits)`:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import xxhash
 
@@ -52,6 +54,9 @@ class KVCacheManager:
         # Statistics for /metrics: tokens looked up and tokens found, since start.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Told of every admission's prefix hits (the request, its first len(hits) blocks):
+        # the disk level of the cache (engine/disk_prefix_cache.py) counts them there.
+        self.hit_listener: Callable[[Request, list[KVCacheBlock]], None] | None = None
 
     # ----------------------------------------------------------------- hashing
     def _root_hash(self, request: Request) -> int:
@@ -68,6 +73,11 @@ class KVCacheManager:
         for index in range(len(hashes), num_tokens // self.block_size):
             parent = hashes[-1] if hashes else self._root_hash(request)
             hashes.append(hash_block(parent, self._block_tokens(request, index)))
+
+    def full_block_hashes(self, request: Request, num_tokens: int) -> list[int]:
+        """The chained hashes of the full blocks within the first num_tokens tokens."""
+        self._update_block_hashes(request, num_tokens)
+        return request.block_hashes[: num_tokens // self.block_size]
 
     # --------------------------------------------------------------- lookups
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -119,6 +129,8 @@ class KVCacheManager:
                 del self.req_blocks[request.request_id]
             return False
         self.pool.touch(hits)
+        if hits and self.hit_listener is not None:
+            self.hit_listener(request, hits)
         blocks.extend(hits)
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))

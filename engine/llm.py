@@ -147,6 +147,12 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    def save_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> int:
+        """Compute a prompt and write its full KV blocks to `prefix_cache_dir`, so that a
+        later process starts from them; returns the prompt tokens on disk (see
+        `EngineClient.save_prefix`)."""
+        return self.engine.save_prefix(prompt, cache_salt)
+
     def shutdown(self) -> None:
         """Stop the engine and free its weights and KV cache."""
         self.engine.shutdown()

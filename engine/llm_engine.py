@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from .client import ModelInfo, PromptType
 from .compute_plan import choose_plan
 from .config import EngineConfig, GiB
+from .disk_prefix_cache import DiskPrefixCache
 from .executor import build_executor
 from .generation_config import generation_defaults, read_generation_config
 from .input_processor import InputProcessor
@@ -111,6 +113,20 @@ class LLMEngine:
             num_swap_blocks=num_swap_blocks,
         )
         self.executor.allocate(self.num_blocks, block_size, num_swap_blocks)
+        self.disk_cache: DiskPrefixCache | None = None
+        if config.prefix_cache_dir is not None:
+            self.disk_cache = DiskPrefixCache.create(
+                config.prefix_cache_dir,
+                int(config.prefix_cache_max_gib * GiB),
+                self.kv_manager,
+                self.executor.kv_caches,
+                folder=source.folder,
+                model_name=self.model_name,
+                model=self.model,
+                model_config=self.model_config,
+                plan=self.plan,
+                device=self.device,
+            )
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
         self.groups: dict[str, RequestGroup] = {}
         self.counters = EngineCounters()
@@ -204,6 +220,8 @@ class LLMEngine:
         if group.request_id in self.groups:
             raise ValueError(f"request id {group.request_id!r} is already running")
         self.groups[group.request_id] = group
+        if self.disk_cache is not None:  # the siblings share the prompt, so its blocks
+            self.disk_cache.load(group.children[0])
         for child in group.children:
             self.scheduler.add_request(child)
 
@@ -228,6 +246,8 @@ class LLMEngine:
         touched: dict[str, RequestGroup] = {}
         if not out.is_empty:
             self._run(out, iteration, touched)
+        if self.disk_cache is not None:
+            self.disk_cache.after_step()
         outputs = []
         for group in touched.values():
             output = self._make_output(group)
@@ -297,6 +317,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             kv_tokens_held=sum(r.num_computed_tokens for r in running),
             kv_slots_reserved=block_size * sum(kv.num_blocks_of(r.request_id) for r in running),
+            prefix_cache_disk_loaded=self.disk_cache.loaded_tokens if self.disk_cache else 0,
+            prefix_cache_disk_written=self.disk_cache.written_tokens if self.disk_cache else 0,
         )
 
     def _log_stats(self, iteration: IterationStats) -> None:
@@ -306,6 +328,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
+
+    def save_prefix(self, request: Request) -> Future:
+        """Before `request` is added: write its prompt's full blocks to the prefix-cache
+        directory once they are computed. The future gives the tokens in them once the
+        files are written."""
+        if self.disk_cache is None:
+            raise ValueError("save_prefix needs a prefix-cache directory: set prefix_cache_dir")
+        return self.disk_cache.save_when_computed(request)
 
     @property
     def tool_format(self) -> ToolCallFormat:
@@ -319,6 +349,8 @@ class LLMEngine:
         so that whatever still holds the engine (a wrapper, a closure) does not keep
         gigabytes alive; the engine cannot run afterwards.
         """
+        if self.disk_cache is not None:
+            self.disk_cache.close()
         if self.executor is not None:
             self.executor.shutdown()
         self.executor = None  # type: ignore[assignment]

@@ -28,6 +28,9 @@ class SchedulerStats:
     # the difference is paged attention's only waste (each sequence's last partial block).
     kv_tokens_held: int = 0
     kv_slots_reserved: int = 0
+    # With prefix_cache_dir: cumulative tokens whose blocks were read from / written to disk.
+    prefix_cache_disk_loaded: int = 0
+    prefix_cache_disk_written: int = 0
 
 
 @dataclass(slots=True)
@@ -93,6 +96,8 @@ class EngineCounters:
                 "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits,
                 "num_preemptions": s.num_preemptions,
+                "prefix_cache_disk_loaded": s.prefix_cache_disk_loaded,
+                "prefix_cache_disk_written": s.prefix_cache_disk_written,
             }
 
 

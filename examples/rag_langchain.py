@@ -9,6 +9,11 @@ a long system prompt shared by every question, and ChatPagedLLM on the embedded
 SmolLM2-135M-Instruct. Answers stream as they are generated. After the first question the
 system prompt is read from the engine's prefix cache: each line shows how many prompt
 tokens were cache hits (`usage_metadata["input_token_details"]["cache_read"]`).
+
+The prefix cache also survives a restart (`prefix_cache_dir`, by default
+~/.cache/pagedllm/prefix-cache): blocks hit twice (by the third question) are written
+there, and on the next run the first question already reads the system prompt from disk.
+`--prefix-cache-dir ""` turns that off.
 """
 
 from __future__ import annotations
@@ -255,9 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=5, help="how many questions (max 20)")
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    parser.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        help="where the prefix cache outlives the run ('' for nowhere; default "
+        "~/.cache/pagedllm/prefix-cache)",
+    )
     args = parser.parse_args(argv)
 
+    from pagedllm_integrations.engine.model_loader import cache_dir
     from pagedllm_integrations.langchain import ChatPagedLLM
+
+    disk_dir = args.prefix_cache_dir
+    if disk_dir is None:
+        disk_dir = str(cache_dir() / "prefix-cache")
 
     retriever, retriever_name = make_retriever()
     chat = ChatPagedLLM(
@@ -265,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=0,
         max_tokens=args.max_tokens,
         stop=["\n\n"],  # one short paragraph: a 135M model otherwise invents more Q&A
-        engine_kwargs={"max_model_len": 2048},
+        engine_kwargs={"max_model_len": 2048, "prefix_cache_dir": disk_dir or None},
     )
     chain = build_chain(chat, retriever)
     print(f"retriever: {retriever_name}; model: {chat._model_name()} (loading...)", flush=True)
@@ -276,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     for number, question in enumerate(QUESTIONS[: args.questions], start=1):
         print(f"\n[{number}] {question}\n    ", end="", flush=True)
         full: AIMessageChunk | None = None
+        from_disk = chat.engine.counters.snapshot()["prefix_cache_disk_loaded"]
         for chunk in chain.stream(question):
             print(chunk.text, end="", flush=True)
             full = chunk if full is None else full + chunk
@@ -287,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens += usage["input_tokens"]
         cached_tokens += cache_read
         output_tokens += usage["output_tokens"]
+        from_disk = chat.engine.counters.snapshot()["prefix_cache_disk_loaded"] - from_disk
         print(
             f"\n    prefix cache: {cache_read} of {usage['input_tokens']} prompt tokens were hits"
+            f" ({from_disk} read from disk)"
         )
     elapsed = time.perf_counter() - started
     print(
@@ -296,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{output_tokens / elapsed:.1f} tokens/s; prefix-cache hit rate "
         f"{100 * cached_tokens / max(prompt_tokens, 1):.1f}% of {prompt_tokens} prompt tokens"
     )
+    if disk_dir:
+        disk = chat.engine.counters.snapshot()["prefix_cache_disk_loaded"]
+        print(f"prefix cache on disk ({disk_dir}): {disk} prompt tokens read from it this run")
     return 0
 
 

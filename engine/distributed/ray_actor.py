@@ -153,5 +153,8 @@ class ReplicaActor:
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.to_thread(self.engine.reset_prefix_cache)
 
+    async def save_prefix(self, prompt: Any, cache_salt: str | None = None) -> int:
+        return await asyncio.to_thread(self.engine.save_prefix, prompt, cache_salt)
+
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)

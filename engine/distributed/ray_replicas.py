@@ -190,6 +190,17 @@ class RayReplicaEngine(EngineClient):
     def reset_prefix_cache(self) -> bool:
         return all(self._on_replicas("reset_prefix_cache"))
 
+    def save_prefix(self, prompt, cache_salt: str | None = None) -> int:
+        """Every live replica computes the prompt and writes its blocks (a directory shared
+        by replicas on one machine gets each file once); the fewest tokens any saved."""
+        if self.config.prefix_cache_dir is None:
+            raise ValueError("save_prefix needs a prefix-cache directory: set prefix_cache_dir")
+        ray = _ray()
+        live = [r for i, r in enumerate(self._replicas) if self.router.available[i]]
+        return min(
+            ray.get([r.actor.save_prefix.remote(prompt, cache_salt) for r in live], timeout=600)
+        )
+
     def num_total_blocks(self) -> int:
         return sum(r.info["num_blocks"] for r in self._replicas)
 
