@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -381,12 +383,21 @@ def test_top_renders_from_metrics(server, capsys):
 
 def test_example_script_runs_against_a_cli_server():
     """examples/openai_client.py starts `pagedllm serve` itself, runs three calls, stops it."""
-    done = subprocess.run(
+    # Its own process group: if it hangs, the server it started goes down with it (killing
+    # the script alone would leave an orphaned server holding a GB).
+    script = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "openai_client.py"), "--max-tokens", "8"],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
         cwd=ROOT,
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "completion:" in done.stdout and "chat:" in done.stdout and "tool call:" in done.stdout
+    try:
+        stdout, stderr = script.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(script.pid, signal.SIGKILL)
+        script.communicate()
+        raise
+    assert script.returncode == 0, stderr[-3000:]
+    assert "completion:" in stdout and "chat:" in stdout and "tool call:" in stdout
