@@ -7,8 +7,10 @@ imports it, and only when a request is constrained.
 Flow (see engine/llm_engine.py and engine/sampler.py):
 - caller's thread, at submission: `StructuredOutputManager.compile(spec)` turns a
   `StructuredOutputsParams` into a compiled grammar (ValueError if it cannot be compiled, so a
-  bad schema never reaches the engine thread), cached by a canonical key; `new_matcher` gives
-  each sample its own `GrammarMatcher` (parser state).
+  bad schema never reaches the engine thread), cached by a canonical key. The compile itself
+  runs on the manager's one compile thread; the caller waits within its `compile_limits`
+  (a timeout, a cancel flag). `new_matcher` gives each sample its own `GrammarMatcher`
+  (parser state).
 - engine thread, per step: `apply_grammar_masks` fills one packed bitmask for all constrained
   rows of the batch and applies it to the logits with one op; after sampling,
   `accept_token` advances the parser and `is_terminated` says the grammar has ended (it
