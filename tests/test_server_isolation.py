@@ -36,7 +36,7 @@ MAX_LEN = 4096  # room for eight nested tool schemas in the prompt
 NEIGHBOUR = {
     "model": MODEL,
     "prompt": "Once upon a time, in a land far away,",
-    "max_tokens": 300,
+    "max_tokens": 160,
     "temperature": 0,
     "ignore_eos": True,
     "stream": True,
