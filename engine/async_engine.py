@@ -25,10 +25,11 @@ import gc
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from .client import EngineClient
+from .client import DEFAULT_STALL_SECONDS, EngineClient
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestGroup
 from .metrics import SchedulerStats
@@ -38,6 +39,8 @@ from .sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_EXIT_SECONDS = 0.5
+# This many failed steps in a row (each failing every request in it) and `health` says so.
+FAILED_STEPS_UNHEALTHY = 3
 
 
 class EngineDeadError(RuntimeError):
@@ -118,6 +121,11 @@ class AsyncEngine(EngineClient):
         self._stopped = False
         self._dead = False  # the thread raised: nothing restarts it
         self._thread: threading.Thread | None = None  # None while parked (no work)
+        # Progress, for `health` (written by the engine thread, read by anyone, no lock):
+        # when the thread last went round its loop, and since when its current step runs.
+        self._beat = time.monotonic()
+        self._step_started: float | None = None
+        self._failed_steps = 0  # steps in a row that raised out of LLMEngine.step
 
     # ------------------------------------------------------------------ state
     @property
@@ -128,6 +136,25 @@ class AsyncEngine(EngineClient):
     def is_running(self) -> bool:
         """True while the engine thread serves requests (not shut down, not dead)."""
         return not (self._stopped or self._dead)
+
+    def health(self, stall_after: float = DEFAULT_STALL_SECONDS) -> str | None:
+        """None while the engine makes progress; else why it does not: shut down or its
+        thread died, a step running for more than `stall_after` seconds, the last
+        FAILED_STEPS_UNHEALTHY steps all failed, or requests waiting while the thread has
+        not moved for `stall_after` seconds. Reads flags only: cheap from any thread."""
+        if self._stopped or self._dead:
+            return "the engine is not running"
+        now = time.monotonic()
+        started = self._step_started
+        if started is not None and now - started > stall_after:
+            return f"an engine step has been running for {now - started:.0f} s"
+        engine = self.engine
+        failed = max(self._failed_steps, engine.consecutive_failed_steps if engine else 0)
+        if failed >= FAILED_STEPS_UNHEALTHY:
+            return f"the last {failed} engine steps failed"
+        if self._streams and now - self._beat > stall_after:
+            return f"requests are waiting but the engine has not moved for {now - self._beat:.0f} s"
+        return None
 
     def add_stat_logger(self, stat_logger) -> None:
         """Register a StatLogger; it is called on the engine thread after every step."""
@@ -257,8 +284,10 @@ class AsyncEngine(EngineClient):
     def _run(self) -> None:
         try:
             while True:
+                self._beat = time.monotonic()
                 idle = not self.engine.has_unfinished_requests()
                 keep_going = self._drain_commands(block=idle)
+                self._beat = time.monotonic()
                 if keep_going is None:
                     if self._park():
                         return
@@ -308,9 +337,12 @@ class AsyncEngine(EngineClient):
                 stream.put(error)
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as error:  # a broken invariant: fail what is in flight, keep serving
+            self._step_started = None
+            self._failed_steps += 1
             logger.exception("engine step raised; aborting every request in flight")
             for request_id in list(self.engine.groups):
                 self.engine.abort_request(request_id)
@@ -318,6 +350,8 @@ class AsyncEngine(EngineClient):
                 if stream is not None:
                     stream.put(RuntimeError(f"engine step failed: {error}"))
             return
+        self._step_started = None
+        self._failed_steps = 0
         for output in outputs:
             self._deliver(output)
 

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .request_limits import check_schema
+
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -66,16 +68,30 @@ def content_text(content: Any) -> str:
 
 
 def arguments_dict(arguments: Any) -> dict:
-    if isinstance(arguments, dict):
-        return arguments
     if isinstance(arguments, str):
-        try:
-            loaded = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as error:
-            raise ValueError(f"tool call arguments are not valid JSON: {arguments!r}") from error
+        loaded = load_json(arguments) if arguments.strip() else {}
+        if loaded is None:
+            raise ValueError(f"tool call arguments are not valid JSON: {_clip(arguments)!r}")
         if isinstance(loaded, dict):
+            check_schema(loaded, "tool call arguments")
             return loaded
-    raise ValueError(f"tool call arguments must be a JSON object, got {arguments!r}")
+    if isinstance(arguments, dict):
+        check_schema(arguments, "tool call arguments")
+        return arguments
+    raise ValueError(f"tool call arguments must be a JSON object, got {_clip(repr(arguments))}")
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def load_json(text: str) -> Any:
+    """json.loads, or None for text that is not JSON, including JSON nested deeper than
+    the parser's recursion limit (model output like `[[[[...` under tools)."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
 
 
 def call_entries(message: dict) -> list[tuple[str, dict]]:
@@ -121,16 +137,28 @@ def arguments_schema(parameters: dict) -> dict:
     return schema
 
 
+_FENCE_LANGUAGES = ("json", "tool_code", "python")
+
+
 def strip_code_fence(text: str) -> str:
-    match = re.fullmatch(r"```(?:json|tool_code|python)?\s*(.*?)\s*```", text, re.S)
-    return match.group(1) if match else text
+    """The body of a text that is one code fence (```json ... ```), else the text.
+
+    String operations, not a regex: model output can hold long runs of white space, on
+    which a backtracking pattern takes time quadratic in their length."""
+    if len(text) < 6 or not (text.startswith("```") and text.endswith("```")):
+        return text
+    body = text[3:-3]
+    for language in _FENCE_LANGUAGES:
+        if body.startswith(language):
+            body = body[len(language) :]
+            break
+    return body.strip()
 
 
 def call_from_json(body: str, known: set[str] | None) -> list[ToolCall] | None:
     """The calls in a JSON text (one call object or a list of them); None if it is not that."""
-    try:
-        loaded = json.loads(body.strip())
-    except json.JSONDecodeError:
+    loaded = load_json(body.strip())
+    if loaded is None:
         return None
     items = loaded if isinstance(loaded, list) else [loaded]
     calls = [call_from_object(item, known) for item in items]
@@ -150,13 +178,16 @@ def call_from_object(item: Any, known: set[str] | None) -> ToolCall | None:
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+        arguments = load_json(arguments) if arguments.strip() else {}
+        if arguments is None:
             return None
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
+        return None
+    try:  # arguments nested past the limits would recurse when serialized again
+        check_schema(arguments, "tool call arguments")
+    except ValueError:
         return None
     return ToolCall(new_call_id(), name, arguments)
 

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 PromptType = str | list[int] | dict[str, Any]
 
+# An engine step (or the engine thread) that has not moved for this long while requests
+# wait is reported as wedged by `EngineClient.health`.
+DEFAULT_STALL_SECONDS = 60.0
+
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -163,6 +167,12 @@ class EngineClient(ABC):
 
     def __exit__(self: Any, *exc: object) -> None:
         self.shutdown()
+
+    def health(self, stall_after: float = DEFAULT_STALL_SECONDS) -> str | None:
+        """None while the engine serves requests; else why it does not. Reads flags only
+        (a load balancer's probe must cost nothing); implementations add what they track,
+        such as a step that has run for more than `stall_after` seconds."""
+        return None if self.is_running else "the engine is not running"
 
     # --------------------------------------------------- what each implements
     @property

@@ -20,6 +20,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .output_processor import RequestGroup
 from .request import Request
+from .request_limits import check_text
 from .sampling_params import SamplingParams
 
 
@@ -80,6 +81,7 @@ class InputProcessor:
             raise ValueError(
                 f"logprobs {params.logprobs} exceeds max_logprobs {self.config.max_logprobs}"
             )
+        self._check_token_ids(params, vocab_size)
         params = params.clone(_eos_token_ids=self.info.eos_token_ids)
         compiled = None
         if params.structured_outputs is not None:
@@ -121,6 +123,21 @@ class InputProcessor:
             request_id, text, token_ids, params, children, now, sent=[(0, 0)] * params.n
         )
 
+    @staticmethod
+    def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+        """Token ids in the sampling params index the logits row: outside the vocabulary
+        they would raise inside a step (and fail every request in it)."""
+        named = [
+            ("stop_token_ids", params.stop_token_ids or []),
+            ("logit_bias", params.logit_bias or {}),
+        ]
+        for name, ids in named:
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})"
+                )
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -132,8 +149,11 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty: give at least one token")
+            check_text(prompt, "the prompt")
             return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             return None, list(prompt)
         raise ValueError(
             f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"

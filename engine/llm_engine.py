@@ -12,6 +12,7 @@ import gc
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from .models.layers import LinearFactory, dense_linear
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
+from .row_faults import sample_rows
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .tool_formats import ToolCallFormat
@@ -129,6 +131,8 @@ class LLMEngine:
             )
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
         self.groups: dict[str, RequestGroup] = {}
+        # Steps in a row that failed as a whole (the health check reports a wedged engine).
+        self.consecutive_failed_steps = 0
         self.counters = EngineCounters()
         self.stat_loggers: list[StatLogger] = [self.counters]
         if not config.disable_log_stats:
@@ -264,21 +268,32 @@ class LLMEngine:
         block_ids = [
             self.kv_manager.get_block_ids(item.request.request_id) for item in out.scheduled
         ]
+
+        def recompute_logits() -> torch.Tensor:  # the same step again, its swaps already done
+            return self.executor.execute(replace(out, swap_out=[], swap_in=[]), block_ids)[0]
+
         try:
             logits, sampled_rows = self.executor.execute(out, block_ids)
-            sampled = self.sampler(logits, [out.scheduled[i].request for i in sampled_rows])
+            requests = [out.scheduled[i].request for i in sampled_rows]
+            # A row that raises in the sampler fails its request only (engine/row_faults.py).
+            sampled, failed_rows = sample_rows(self.sampler, logits, requests, recompute_logits)
         except Exception as error:  # the whole step failed: fail its requests, keep serving
             logger.exception(
                 "engine step failed; failing the %d requests in it", len(out.scheduled)
             )
+            self.consecutive_failed_steps += 1
             for item in out.scheduled:
                 self._fail(item.request, f"{type(error).__name__}: {error}", touched, uncache=True)
             return
+        self.consecutive_failed_steps = 0
+        for row, message in failed_rows.items():
+            self._fail(requests[row], message, touched)
         tokens: list[list[int]] = [[] for _ in out.scheduled]
         logprobs: list[list] = [[] for _ in out.scheduled]
         for row, index in enumerate(sampled_rows):
-            tokens[index] = [sampled.token_ids[row]]
-            logprobs[index] = [sampled.logprobs[row]]
+            if row not in failed_rows:
+                tokens[index] = [sampled.token_ids[row]]
+                logprobs[index] = [sampled.logprobs[row]]
         update = self.scheduler.update_from_output(out, tokens, logprobs, iteration)
         for request, message in update.failed:
             self._fail(request, message, touched)

@@ -130,9 +130,9 @@ class Sampler:
         logits = logits / temperature
         min_p = torch.tensor([p.min_p for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
-        top_k = torch.tensor(
-            [p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=device
-        )
+        vocab = logits.shape[1]  # a top_k beyond the vocabulary keeps all of it
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                             device=device)  # fmt: skip
         probs = torch.softmax(logits, dim=-1)
         if bool((min_p > 0).any()):
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from .request_limits import MAX_GRAMMAR_CHARS, check_grammar_text, check_schema, check_text
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_SAMPLES = 1024  # n: the samples of one request
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; -100 already bans a token
 
 
 class RequestOutputKind(enum.Enum):
@@ -57,11 +64,31 @@ class StructuredOutputsParams:
 
             self.json = schema_dict(self.json)
         if self.choice is not None and (
-            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError(
                 "structured_outputs.choice must be a non-empty list of non-empty strings"
             )
+        # Bounds on what the grammar compiler is handed (engine/request_limits.py).
+        if self.json is not None:
+            check_schema(self.json, "the structured_outputs.json schema")
+        for name in ("regex", "grammar"):
+            text = getattr(self, name)
+            if text is not None:
+                if not isinstance(text, str):
+                    raise ValueError(f"structured_outputs.{name} must be a string")
+                check_grammar_text(text, f"structured_outputs.{name}")
+        if self.choice is not None:
+            total = sum(len(c) for c in self.choice)
+            if total > MAX_GRAMMAR_CHARS:
+                raise ValueError(
+                    f"structured_outputs.choice has {total} characters in all; the limit is "
+                    f"{MAX_GRAMMAR_CHARS} characters"
+                )
+            for choice in self.choice:
+                check_text(choice, "a structured_outputs.choice string")
 
 
 @dataclass(slots=True)
@@ -105,48 +132,55 @@ class SamplingParams:
             self.output_kind = RequestOutputKind(self.output_kind)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        # Every number that reaches a tensor is checked for its type and range here (an int
+        # beyond int64 overflows when the sampler builds its tensors; NaN passes every
+        # comparison the wrong way), so a bad value fails at submission, never mid-step.
+        _int("n", self.n, 1, MAX_SAMPLES)
+        _float("temperature", self.temperature, 0.0, None)
         _check(
-            isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"
+            _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
         )
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(
-            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            _is_int(self.top_k) and -1 <= self.top_k <= INT64_MAX,
             f"top_k must be -1, 0 (no limit) or a positive integer, got {self.top_k!r}",
         )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens > 0),
-            f"max_tokens must be a positive integer, got {self.max_tokens!r}",
-        )
-        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _float("min_p", self.min_p, 0.0, 1.0)
+        if self.max_tokens is not None:
+            _check(
+                _is_int(self.max_tokens) and 0 < self.max_tokens <= INT64_MAX,
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+            )
+        _int("min_tokens", self.min_tokens, 0, INT64_MAX)
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
+        _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check(
-            -2.0 <= self.presence_penalty <= 2.0,
-            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
+            f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
         )
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, 20)
+        for stop in self.stop:
+            _check(isinstance(stop, str) and bool(stop), "stop strings must be non-empty")
+            check_text(stop, "a stop string")
         _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-        )
-        _check(
-            self.repetition_penalty > 0.0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-        )
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
-        )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
-        _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",
         )
         if self.seed is not None:
-            _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+            _int("seed", self.seed, INT64_MIN, INT64_MAX)
+        if self.logit_bias:
+            _check(isinstance(self.logit_bias, dict), "logit_bias must be a dict")
+            for token, bias in self.logit_bias.items():
+                _check(
+                    _is_int(token) and 0 <= token <= INT64_MAX,
+                    f"logit_bias keys must be token ids (non-negative integers), got {token!r}",
+                )
+                _float(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
 
     @property
     def greedy(self) -> bool:
@@ -168,3 +202,25 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(name: str, value: Any, low: int, high: int) -> None:
+    _check(
+        _is_int(value) and low <= value <= high,
+        f"{name} must be an integer in [{low}, {high}], got {value!r}",
+    )
+
+
+def _float(name: str, value: Any, low: float, high: float | None) -> None:
+    """A finite number >= low (and <= high when given)."""
+    ok = _is_number(value) and value >= low and (high is None or value <= high)
+    where = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    _check(ok, f"{name} must be a finite number {where}, got {value!r}")

@@ -7,8 +7,10 @@ imports it, and only when a request is constrained.
 Flow (see engine/llm_engine.py and engine/sampler.py):
 - caller's thread, at submission: `StructuredOutputManager.compile(spec)` turns a
   `StructuredOutputsParams` into a compiled grammar (ValueError if it cannot be compiled, so a
-  bad schema never reaches the engine thread), cached by a canonical key; `new_matcher` gives
-  each sample its own `GrammarMatcher` (parser state).
+  bad schema never reaches the engine thread), cached by a canonical key. The compile itself
+  runs on the manager's one compile thread; the caller waits within its `compile_limits`
+  (a timeout, a cancel flag). `new_matcher` gives each sample its own `GrammarMatcher`
+  (parser state).
 - engine thread, per step: `apply_grammar_masks` fills one packed bitmask for all constrained
   rows of the batch and applies it to the logits with one op; after sampling,
   `accept_token` advances the parser and `is_terminated` says the grammar has ended (it
@@ -17,11 +19,15 @@ Flow (see engine/llm_engine.py and engine/sampler.py):
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import contextvars
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +41,51 @@ logger = logging.getLogger(__name__)
 # (a small model given free whitespace can spend its whole token budget on newlines).
 JSON_SEPARATORS = (", ", ": ")
 _CACHE_SIZE = 256
+# How long a caller waits for a constraint to compile (the server answers 400 past it).
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+_POLL_S = 0.05  # how often a waiting caller looks at its cancel flag
+_MAX_ERROR_CHARS = 300  # of the grammar library's message (it may quote the whole schema)
+
+
+class CompileTimeoutError(ValueError):
+    """The constraint did not compile within the caller's compile timeout."""
+
+
+class CompileCancelledError(Exception):
+    """The caller stopped waiting for a compile (its client went away)."""
+
+
+@dataclass(slots=True, frozen=True)
+class CompileLimits:
+    """How long the current caller waits for a compile, and what tells it to stop."""
+
+    timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S
+    cancelled: threading.Event | None = None
+
+
+_LIMITS: contextvars.ContextVar[CompileLimits | None] = contextvars.ContextVar(
+    "pagedllm_compile_limits", default=None
+)
+
+
+@contextlib.contextmanager
+def compile_limits(
+    timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S, cancelled: threading.Event | None = None
+) -> Iterator[None]:
+    """Within the block, compiles that this thread waits for give up after `timeout` seconds
+    (CompileTimeoutError) or once `cancelled` is set (CompileCancelledError). The compile
+    itself runs on the manager's own thread and is dropped if nobody waits for it any more."""
+    token = _LIMITS.set(CompileLimits(timeout, cancelled))
+    try:
+        yield
+    finally:
+        _LIMITS.reset(token)
+
+
+@dataclass(slots=True)
+class _PendingCompile:
+    future: concurrent.futures.Future
+    waiters: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,7 +184,14 @@ def _batch_matcher():
 
 
 class StructuredOutputManager:
-    """Compiles constraints for one tokenizer and hands out matchers. Thread-safe."""
+    """Compiles constraints for one tokenizer and hands out matchers. Thread-safe.
+
+    Compiles run one at a time on the manager's own thread, with xgrammar itself on one
+    thread: a hostile schema costs at most one core, never the engine thread's, and never
+    the event loop of a server. A caller waits for its compile within the limits of
+    `compile_limits` (a timeout, a cancel flag); two callers of the same constraint share
+    one compile, and a compile nobody waits for any more is dropped before it starts.
+    """
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] | None = None
@@ -147,36 +205,89 @@ class StructuredOutputManager:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
         )
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False, max_threads=1)
         self._cache: OrderedDict[tuple[str, str], CompiledStructure] = OrderedDict()
-        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, str], _PendingCompile] = {}
+        # Reentrant: a future's done callback (`_settle`) runs at once in the thread that
+        # adds it to a finished future, or that cancels it, which holds the lock then.
+        self._lock = threading.RLock()
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pagedllm-grammar"
+        )
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledStructure:
         """Compile (or fetch from the cache) the grammar of one constraint.
 
-        Raises ValueError when the schema / regex / grammar cannot be compiled.
+        Raises ValueError when the schema / regex / grammar cannot be compiled,
+        CompileTimeoutError (a ValueError) past the caller's timeout, and
+        CompileCancelledError once the caller's cancel flag is set.
         """
         key = canonical_key(spec)
+        limits = _LIMITS.get() or CompileLimits()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            # Compiling under the lock keeps two callers from compiling the same spec twice;
-            # compiles take milliseconds and happen once per distinct spec.
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = _PendingCompile(self._worker.submit(self._compile_job, key))
+                self._pending[key] = pending
+                pending.future.add_done_callback(lambda f, key=key: self._settle(key, f))
+            pending.waiters += 1
+        try:
+            return self._wait(pending.future, key[0], limits)
+        finally:
+            with self._lock:
+                pending.waiters -= 1
+                if pending.waiters == 0:
+                    pending.future.cancel()  # a no-op once the compile has started
+
+    def _wait(
+        self, future: concurrent.futures.Future, kind: str, limits: CompileLimits
+    ) -> CompiledStructure:
+        deadline = None if limits.timeout is None else time.monotonic() + limits.timeout
+        while True:
             try:
-                grammar = self._compile(*key)
-            except ValueError:
-                raise
-            except Exception as error:  # xgrammar raises RuntimeError and friends
-                raise ValueError(
-                    f"cannot compile the structured_outputs {key[0]} constraint: {error}"
-                ) from error
-            compiled = CompiledStructure(key, grammar)
-            self._cache[key] = compiled
+                return future.result(timeout=_POLL_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            except concurrent.futures.CancelledError:
+                raise CompileCancelledError("the compile was cancelled") from None
+            if limits.cancelled is not None and limits.cancelled.is_set():
+                raise CompileCancelledError("the caller stopped waiting for the compile")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CompileTimeoutError(
+                    f"the structured_outputs {kind} constraint did not compile within "
+                    f"{limits.timeout:g} s (the compile timeout); simplify the schema or grammar"
+                )
+
+    def _compile_job(self, key: tuple[str, str]) -> CompiledStructure:
+        try:
+            grammar = self._compile(*key)
+        except ValueError:
+            raise
+        except Exception as error:  # xgrammar raises RuntimeError and friends
+            message = str(error)
+            if len(message) > _MAX_ERROR_CHARS:
+                message = message[:_MAX_ERROR_CHARS] + "..."
+            raise ValueError(
+                f"cannot compile the structured_outputs {key[0]} constraint: {message}"
+            ) from None
+        return CompiledStructure(key, grammar)
+
+    def _settle(self, key: tuple[str, str], future: concurrent.futures.Future) -> None:
+        """A compile ended (done, failed or cancelled): cache it, forget it as pending."""
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is not None and pending.future is future:
+                del self._pending[key]
+            if future.cancelled() or future.exception() is not None:
+                return
+            self._cache[key] = future.result()
+            self._cache.move_to_end(key)
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return compiled
 
     def new_matcher(self, compiled: CompiledStructure) -> GrammarMatcher:
         return GrammarMatcher(compiled, self.vocab_size)

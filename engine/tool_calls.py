@@ -29,6 +29,7 @@ from .chat_messages import (
     check_messages,
     new_call_id,
 )
+from .request_limits import MAX_TOOLS, SchemaBudget, check_text
 from .sampling_params import StructuredOutputsParams
 from .tool_formats import FORMATS, HERMES, ToolCallFormat, resolve_format, tool_format_for
 
@@ -65,8 +66,13 @@ def normalize_tools(tools: list) -> list[dict]:
         return []
     if not isinstance(tools, list | tuple):
         raise ValueError(f"tools must be a list of tool specs, got {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"{len(tools)} tools were given; the limit is {MAX_TOOLS} tools")
     normalized = []
     seen: set[str] = set()
+    # Checked before they are copied, rendered or compiled: every one of those recurses on
+    # the schema's depth (engine/request_limits.py).
+    budget = SchemaBudget()
     for position, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise ValueError(
@@ -97,6 +103,9 @@ def normalize_tools(tools: list) -> list[dict]:
             parameters = copy.deepcopy(EMPTY_PARAMETERS)
         if not isinstance(parameters, dict):
             raise ValueError(f"tool {name!r}: 'parameters' must be a JSON schema dict")
+        check_text(name, "a tool name")
+        check_text(description, f"the description of tool {name!r}")
+        budget.check(parameters, f"the parameters schema of tool {name!r}")
         function: dict[str, Any] = {
             "name": name,
             "description": description,

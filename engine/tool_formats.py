@@ -344,7 +344,7 @@ def _python_calls(text: str, known: set[str] | None) -> list[ToolCall] | None:
     keyword arguments, or None when the text is not exactly that."""
     try:
         tree = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # model output: anything
         return None
     nodes = tree.elts if isinstance(tree, ast.List) else [tree]
     calls = []
@@ -355,7 +355,7 @@ def _python_calls(text: str, known: set[str] | None) -> list[ToolCall] | None:
             return None
         try:
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
-        except ValueError:
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
         calls.append(ToolCall(new_call_id(), node.func.id, arguments))
     return calls or None

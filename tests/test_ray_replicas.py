@@ -16,7 +16,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedllm_integrations import SamplingParams  # noqa: E402
-from pagedllm_integrations.engine.async_engine import AsyncEngine  # noqa: E402
+from pagedllm_integrations.engine.async_engine import AsyncEngine, RequestError  # noqa: E402
 from pagedllm_integrations.engine.config import EngineConfig  # noqa: E402
 from pagedllm_integrations.engine.distributed.ray_replicas import RayReplicaEngine  # noqa: E402
 from pagedllm_integrations.engine.distributed.router import (  # noqa: E402
@@ -165,6 +165,74 @@ def test_structured_outputs_and_forced_tool_calls_through_replicas(replicas, tin
     assert [(c.name, c.arguments) for c in calls] == [("ping", {})]
 
 
+def _on_client_loop(replicas, fn) -> None:
+    done = threading.Event()
+
+    def run() -> None:
+        fn()
+        done.set()
+
+    replicas._loop.call_soon_threadsafe(run)
+    assert done.wait(30)
+
+
+def test_with_no_replica_available_a_request_fails_in_seconds(replicas, reference):
+    def down() -> None:
+        for index in range(replicas.num_replicas):
+            replicas.router.set_available(index, False)
+
+    def up() -> None:
+        for index in range(replicas.num_replicas):
+            replicas.router.set_available(index, True)
+        replicas._available.set()
+
+    _on_client_loop(replicas, down)
+    try:
+        assert "no replica is available" in (replicas.health() or "")
+        with pytest.raises(RequestError, match="no replica is available"):
+            replicas.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4)).result()
+    finally:
+        _on_client_loop(replicas, up)
+    assert replicas.health() is None
+    params = SamplingParams(temperature=0, max_tokens=12)
+    assert replicas.add_request(PROMPTS[0], params).result().outputs[0].token_ids == (
+        reference["short"][0].token_ids
+    )
+
+
+def test_a_replica_whose_engine_thread_died_is_replaced(replicas, reference):
+    before = replicas.replicas_replaced
+    victim = replicas._replicas[1].actor
+
+    def stop_engine_thread(actor) -> None:
+        """Runs inside the replica actor (defined here, so Ray ships it by value): its
+        engine thread dies, the actor itself stays up and keeps answering."""
+
+        def die() -> None:
+            raise SystemExit("injected: the engine thread dies")
+
+        actor.engine._send("call", die)
+
+    ray.get(victim.__ray_call__.remote(stop_engine_thread))
+    assert ray.get(victim.health.remote(60.0))[0] is False  # the actor answers, its engine not
+    # Requests keep succeeding: one routed to the dead engine is retried on the other replica.
+    params = SamplingParams(temperature=0, max_tokens=12)
+    streams = [replicas.add_request(p, params) for p in PROMPTS]
+    assert [s.result().outputs[0].token_ids for s in streams] == [
+        r.token_ids for r in reference["short"]
+    ]
+    deadline = time.monotonic() + 300
+    while replicas.replicas_replaced == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert replicas.replicas_replaced == before + 1 and replicas._replicas[1].actor is not victim
+    while not all(replicas.router.available) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    streams = [replicas.add_request(p, params) for p in PROMPTS[:4]]
+    assert [s.result().outputs[0].token_ids for s in streams] == [
+        r.token_ids for r in reference["short"][:4]
+    ]
+
+
 def _consume(stream, kind, sink: dict, progress: threading.Event, key: int) -> None:
     tokens, text, count = [], "", 0
     try:
@@ -209,6 +277,7 @@ def test_save_prefix_through_replicas_writes_what_a_local_engine_then_loads(
 
 
 def test_killing_a_replica_mid_run_loses_no_request(replicas, reference):
+    replaced_before = replicas.replicas_replaced
     kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
     results: dict[int, object] = {}
     threads, started = [], []
@@ -238,9 +307,10 @@ def test_killing_a_replica_mid_run_loses_no_request(replicas, reference):
     assert snapshot["requests_resumed"] >= 1  # a stream continued on the other replica
     # The replacement comes up and serves again.
     deadline = time.monotonic() + 300
-    while replicas.replicas_replaced < 1 and time.monotonic() < deadline:
+    while replicas.replicas_replaced == replaced_before and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert replicas.replicas_replaced == 1 and replicas._replicas[0].actor is not victim
+    assert replicas.replicas_replaced == replaced_before + 1
+    assert replicas._replicas[0].actor is not victim
     params = SamplingParams(temperature=0, max_tokens=12)
     streams = [replicas.add_request(p, params) for p in PROMPTS[:4]]
     assert [s.result().outputs[0].token_ids for s in streams] == [

@@ -1,6 +1,8 @@
 """Hypothesis-generated request bodies against the real server: whatever a client sends to
 either POST route, the answer is never a 5xx (nor an error event inside a 200 stream), and
-the server still answers afterwards.
+the server still answers afterwards. The values include what issue 17 found breaking a
+step or the server: token ids outside the vocabulary, integers past int64, NaN, lone
+surrogates, and structures nested past the schema limits and past Python's recursion limit.
 
 Each body is a valid one with up to two fields (present or not) replaced by arbitrary JSON,
 so both the validation paths and the generation paths are exercised. `max_tokens` is always
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 
 import httpx
 import pytest
@@ -47,25 +50,43 @@ def http(engine):
         yield client
 
 
+# Text the tokenizer refuses: lone UTF-16 surrogates (json.dumps sends them as escapes).
+surrogates = st.sampled_from(["a\ud800b", "\udc00", "\ud83d", "x\udfff\ud800"])
 scalars = (
     st.none()
     | st.booleans()
     | st.integers(-3, 3)
-    | st.sampled_from([2**31, 2**63, -(2**64), 10**30])
+    | st.sampled_from([2**31, 2**63, 2**64, -(2**64), 10**30, 10**40])
     | st.floats(-5, 5)
     | st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e300])
     | st.text(max_size=12)
+    | surrogates
 )
-junk = st.recursive(
-    scalars,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=6,
+
+
+def nest(depth: int, as_dict: bool) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value} if as_dict else [value]
+    return value
+
+
+# Deep structures: past the schema limit (64), past Python's recursion limit (1000).
+deep = st.builds(nest, st.sampled_from([70, 300, 1200]), st.booleans())
+junk = (
+    st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+        ),
+        max_leaves=6,
+    )
+    | deep
 )
-text = st.text(max_size=30)
+text = st.text(max_size=30) | surrogates
 word = st.text(min_size=1, max_size=8)
-token_id = st.integers(0, 49151)
+# Mostly ids of the vocabulary, sometimes just past it or far outside it.
+token_id = st.integers(0, 49151) | st.sampled_from([49152, 10**6, 2**63 - 1])
 # A broken max_tokens: never null and never large, so the body stays cheap whatever else.
 bad_max_tokens = st.sampled_from([0, -1, 2.5, "3", "many", [], {}, True])
 
@@ -112,14 +133,24 @@ message = st.fixed_dictionaries(
     },
     optional={"name": word},
 )
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for i in range(levels):
+        schema = {"type": "object", "properties": {f"k{i}": schema}}
+    return schema
+
+
 schema = st.sampled_from(
     [
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
         {"type": "string", "maxLength": 3},
         {"enum": ["x", "y"]},
         {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        {"type": "string", "pattern": "(ab){1,5000}"},  # a repetition past the limit
     ]
-)
+) | st.builds(nested_schema, st.sampled_from([3, 40, 300]))
 tool = st.fixed_dictionaries(
     {
         "type": st.just("function"),
@@ -191,21 +222,31 @@ def check(http: httpx.Client, path: str, content: bytes, tally: bool = True) -> 
         assert json.loads(text)["choices"]
 
 
+def dumps(value: object) -> bytes:
+    """JSON with \\u escapes (lone surrogates included); deep values need a deeper stack."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))
+    try:
+        return json.dumps(value).encode()
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 @FUZZ
 @given(body=completion_bodies)
 def test_fuzz_completions(http, body):
-    check(http, "/v1/completions", json.dumps(body).encode())
+    check(http, "/v1/completions", dumps(body))
 
 
 @FUZZ
 @given(body=chat_bodies)
 def test_fuzz_chat(http, body):
-    check(http, "/v1/chat/completions", json.dumps(body).encode())
+    check(http, "/v1/chat/completions", dumps(body))
 
 
 @settings(max_examples=40, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(raw=st.binary(max_size=64) | junk.map(lambda v: json.dumps(v).encode()))
+@given(raw=st.binary(max_size=64) | junk.map(dumps))
 def test_fuzz_raw_bodies(http, raw):
     for path in ("/v1/completions", "/v1/chat/completions"):
         check(http, path, raw, tally=False)

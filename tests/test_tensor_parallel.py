@@ -145,11 +145,13 @@ def test_killed_rank_fails_requests_and_stops_the_other_ranks(tiny_llama_factory
         outputs = iter(stream)
         next(outputs)  # generating
         os.kill(pids[0], signal.SIGKILL)
-        with pytest.raises(RequestError, match="rank1 died"):
+        # Which side notices first decides the details ("rank1 died" from the monitor, or
+        # gloo's "connection reset" from the collective): the behaviour is what is asserted.
+        with pytest.raises(RequestError, match="tensor-parallel group is gone"):
             for _ in outputs:
                 pass
         assert _wait_gone(pids) == []  # the surviving rank was stopped, not orphaned
-        # The engine keeps answering: every later request fails fast with the same reason.
+        # The engine keeps answering: every later request fails fast, and says why.
         with pytest.raises(RequestError, match="group is gone, restart the engine"):
             engine.add_request("Hi", SamplingParams(max_tokens=2)).result()
         assert not dist.is_initialized()
@@ -186,3 +188,29 @@ def test_ranks_exit_when_the_driver_is_killed(tiny_llama_dir, tmp_path):
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+def test_a_driver_that_exits_without_shutdown_stops_its_ranks_quietly(tiny_llama_dir, tmp_path):
+    """At interpreter exit multiprocessing terminates the ranks (SIGTERM): an ending, which
+    must not be logged as a rank dying."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import logging
+            from pagedllm_integrations import LLM
+            if __name__ == "__main__":
+                logging.basicConfig(level=logging.WARNING)
+                llm = LLM({str(tiny_llama_dir)!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
+                print(*llm.engine.engine.executor.worker_pids, flush=True)
+            """
+        )
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 1 and _wait_gone(pids) == []
+    assert "died" not in done.stderr and "ERROR" not in done.stderr, done.stderr

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..async_engine import AsyncEngine
+from ..async_engine import AsyncEngine, EngineDeadError
 from ..config import EngineConfig
 from ..metrics import IterationStats, SchedulerStats
 from ..outputs import RequestOutput
@@ -35,9 +35,11 @@ _MAX_BUFFERED_STATS = 10_000
 
 @dataclass(slots=True)
 class ReplicaFailure:
-    """The replica refused or failed one request (the replica itself is fine)."""
+    """The replica refused or failed one request; kind "dead" says the replica's engine is
+    gone (its thread died or it was shut down), so the client replaces the replica and
+    retries the request elsewhere, as for an actor that died."""
 
-    kind: str  # "invalid" (ValueError: the caller's fault) | "failed"
+    kind: str  # "invalid" (ValueError: the caller's fault) | "failed" | "dead"
     message: str
 
 
@@ -104,13 +106,18 @@ class ReplicaActor:
         except ValueError as error:
             yield [ReplicaFailure("invalid", str(error))]
             return
+        except EngineDeadError as error:
+            yield [ReplicaFailure("dead", str(error))]
+            return
         ready: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
             try:
                 async for output in stream:
                     ready.put_nowait(output)
-            except Exception as error:  # RequestError / EngineDeadError: the request failed
+            except EngineDeadError as error:  # the engine is gone, not only this request
+                ready.put_nowait(ReplicaFailure("dead", str(error)))
+            except Exception as error:  # RequestError: the engine failed this request
                 ready.put_nowait(ReplicaFailure("failed", f"{type(error).__name__}: {error}"))
             ready.put_nowait(None)
 
@@ -135,6 +142,11 @@ class ReplicaActor:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    def health(self, stall_after: float) -> tuple[bool, str | None]:
+        """(whether the engine still runs, what is wrong with it or None): flags only, see
+        `EngineClient.health`."""
+        return self.engine.is_running, self.engine.health(stall_after)
 
     def counters(self) -> dict[str, Any]:
         return self.engine.counters.snapshot()

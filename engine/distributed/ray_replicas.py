@@ -27,19 +27,28 @@ from typing import Any
 import torch
 
 from ..async_engine import EngineDeadError, RequestError, RequestStream
-from ..client import EngineClient, ModelInfo
+from ..client import DEFAULT_STALL_SECONDS, EngineClient, ModelInfo
 from ..config import EngineConfig
 from ..input_processor import InputProcessor
 from ..metrics import SchedulerStats
 from ..output_processor import RequestGroup
 from .ray_actor import ReplicaActor, ReplicaFailure
 from .replica_job import ReplicaJob
+from .replica_stats import ReplicaCounters, sum_stats
 from .router import PrefixAwareRouter
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT = 900.0
+# With every replica down, a request waits this long for a replacement, then fails.
+NO_REPLICA_WAIT_S = 5.0
+_HEALTH_POLL_S = 2.0  # how often the client asks each replica's engine how it is
+_HEALTH_ANSWER_S = 10.0
 _live_engines: set[int] = set()  # ids of RayReplicaEngines that started Ray and still run
+
+
+class _ReplicaDead(Exception):
+    """The replica's actor answers but its engine is gone: replace it like a dead actor."""
 
 
 def _ray():
@@ -50,31 +59,6 @@ def _ray():
             "data-parallel replicas need Ray: pip install 'ray>=2.40' on every node"
         ) from error
     return ray
-
-
-class ReplicaCounters:
-    """`counters`-like: `snapshot()` sums the replicas' engine counters."""
-
-    def __init__(self, owner: RayReplicaEngine):
-        self._owner = owner
-
-    def snapshot(self) -> dict[str, Any]:
-        per_replica = self._owner._on_replicas("counters")
-        total: dict[str, Any] = {}
-        for snap in per_replica:
-            for key, value in snap.items():
-                if key == "max_seqs_in_step":
-                    total[key] = max(total.get(key, 0), value)
-                elif isinstance(value, int | float):
-                    total[key] = total.get(key, 0) + value
-        if per_replica:
-            total["kv_cache_usage"] = total.get("kv_cache_usage", 0.0) / len(per_replica)
-        total["replicas"] = per_replica
-        total["prefix_routed"] = self._owner.router.prefix_routed
-        total["replicas_replaced"] = self._owner.replicas_replaced
-        total["requests_retried"] = self._owner.requests_retried
-        total["requests_resumed"] = self._owner.requests_resumed
-        return total
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,6 +153,9 @@ class RayReplicaEngine(EngineClient):
         )
         self._thread.start()
         self._loop.call_soon_threadsafe(self._available.set)
+        self._stall_after = DEFAULT_STALL_SECONDS
+        self._replica_problems: list[str | None] = [None] * self.num_replicas
+        asyncio.run_coroutine_threadsafe(self._watch_health(), self._loop)
         if self._owns_ray:
             _live_engines.add(id(self))
         logger.info(
@@ -185,7 +172,7 @@ class RayReplicaEngine(EngineClient):
 
     def scheduler_stats(self) -> SchedulerStats:
         """Every live replica's scheduler stats, summed (KV usage averaged)."""
-        return _sum_stats(self._on_replicas("scheduler_stats"))
+        return sum_stats(self._on_replicas("scheduler_stats"))
 
     def reset_prefix_cache(self) -> bool:
         return all(self._on_replicas("reset_prefix_cache"))
@@ -238,6 +225,20 @@ class RayReplicaEngine(EngineClient):
     def is_running(self) -> bool:
         """True while the router's event-loop thread runs (not shut down)."""
         return self._thread.is_alive() and not self._stopped
+
+    def health(self, stall_after: float = DEFAULT_STALL_SECONDS) -> str | None:
+        """None while some replica serves; else why none does (from flags the client keeps:
+        replica availability and each replica's last health answer)."""
+        self._stall_after = stall_after
+        if not self.is_running:
+            return "the engine is not running"
+        live = [i for i, ok in enumerate(self.router.available) if ok]
+        if not live:
+            return "no replica is available (replacements are starting)"
+        problems = [self._replica_problems[i] for i in live]
+        if all(problem is not None for problem in problems):
+            return f"no replica is healthy: {problems[0]}"
+        return None
 
     # ---------------------------------------------------------------- requests
     def submit(
@@ -296,10 +297,16 @@ class RayReplicaEngine(EngineClient):
                         replica.actor.abort.remote(job.request_id)
                     async for ref in refs:
                         for item in await ref:
+                            if isinstance(item, ReplicaFailure) and item.kind == "dead":
+                                raise _ReplicaDead(item.message)
                             if self._deliver(job, item):
                                 return
                     raise RuntimeError("the replica's stream ended without a final output")
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+                except (
+                    ray.exceptions.RayActorError,
+                    ray.exceptions.ActorUnavailableError,
+                    _ReplicaDead,
+                ) as err:
                     self._replica_died(index, replica, err)
                     if job.aborted:
                         self._finish(job, job.abort_output())
@@ -321,7 +328,7 @@ class RayReplicaEngine(EngineClient):
             self._finish(job, RequestError(f"request {job.request_id} failed: {error}"))
 
     async def _choose(self, job: ReplicaJob, exclude: set[int]) -> tuple[int, list[int]]:
-        deadline = self._loop.time() + _STARTUP_TIMEOUT
+        deadline = self._loop.time() + NO_REPLICA_WAIT_S
         while True:
             try:
                 return self.router.choose(job.prompt_token_ids, job.cache_salt, exclude)
@@ -333,7 +340,9 @@ class RayReplicaEngine(EngineClient):
                 try:
                     await asyncio.wait_for(self._available.wait(), timeout=remaining)
                 except TimeoutError:
-                    raise RuntimeError("no replica came back in time") from None
+                    raise RuntimeError(
+                        f"no replica is available (none came back within {NO_REPLICA_WAIT_S:g} s)"
+                    ) from None
 
     def _deliver(self, job: ReplicaJob, item) -> bool:
         """Hand one item to the caller; True when the request is over."""
@@ -360,9 +369,34 @@ class RayReplicaEngine(EngineClient):
     def _replica_died(self, index: int, replica: _Replica, error: Exception) -> None:
         if self._replicas[index] is not replica or not self.router.available[index]:
             return  # already being replaced
-        logger.error("Ray replica %d died (%s); starting a replacement", index, error)
+        logger.error("Ray replica %d died (%r); starting a replacement", index, error)
         self.router.set_available(index, False)
+        self._replica_problems[index] = None
+        with contextlib.suppress(Exception):  # an actor whose engine died is still up
+            _ray().kill(replica.actor)
         self._loop.create_task(self._replace(index))
+
+    async def _watch_health(self) -> None:
+        """Ask each live replica's engine how it is: one whose engine is gone is replaced
+        before a request finds out; a wedged one is remembered for `health`."""
+        while not self._stopped:
+            await asyncio.sleep(_HEALTH_POLL_S)
+            for index, replica in enumerate(list(self._replicas)):
+                if self._stopped or not self.router.available[index]:
+                    continue
+                running = True
+                try:
+                    ref = replica.actor.health.remote(self._stall_after)
+                    running, problem = await asyncio.wait_for(ref, timeout=_HEALTH_ANSWER_S)
+                except TimeoutError:
+                    problem = f"replica {index} did not answer its health check"
+                except Exception as error:  # the actor died: the next request replaces it
+                    problem = f"replica {index} is unreachable: {type(error).__name__}"
+                if self._replicas[index] is not replica:
+                    continue  # replaced meanwhile
+                self._replica_problems[index] = problem
+                if not running:
+                    self._replica_died(index, replica, _ReplicaDead(problem or "engine gone"))
 
     async def _replace(self, index: int) -> None:
         ray = _ray()
@@ -397,7 +431,7 @@ class RayReplicaEngine(EngineClient):
             latest = [items[-1][0] for items in drained if items]
             if not latest:
                 continue
-            total = _sum_stats(latest)
+            total = sum_stats(latest)
             for items in drained:
                 for _, iteration in items:
                     for stat_logger in list(self._stat_loggers):
@@ -417,19 +451,18 @@ class RayReplicaEngine(EngineClient):
         for replica in self._replicas:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(replica.actor)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        asyncio.run_coroutine_threadsafe(_stop_loop(), self._loop)
         self._thread.join(timeout=10)
         _live_engines.discard(id(self))
         if self._owns_ray and not _live_engines and ray.is_initialized():
             ray.shutdown()
 
 
-def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """The replicas' scheduler stats added up; KV-cache usage is their mean."""
-    total = SchedulerStats()
-    for s in stats:
-        for f in dataclasses.fields(SchedulerStats):
-            if f.name != "kv_cache_usage":
-                setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
-    total.kv_cache_usage = sum(s.kv_cache_usage for s in stats) / max(len(stats), 1)
-    return total
+async def _stop_loop() -> None:
+    """End the client loop's tasks (request drivers, the stats and health watchers), then
+    the loop: a loop stopped with tasks pending warns about each one."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.get_running_loop().stop()

@@ -16,6 +16,7 @@ instead of hanging on a collective with a dead peer.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing.connection
 import os
@@ -49,6 +50,16 @@ logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT = 600.0  # seconds for every rank to start and load its shard
 _last_launched: weakref.ref | None = None
+_live: weakref.WeakSet[TensorParallelExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _quiet_at_exit() -> None:
+    """At interpreter exit multiprocessing terminates the daemonic ranks (SIGTERM, exit
+    code -15) after this runs (atexit is last in, first out): that is an ending, not a rank
+    dying, so the monitors must not report it."""
+    for executor in list(_live):
+        executor._closing = True
 
 
 def _free_port() -> int:
@@ -163,6 +174,7 @@ class TensorParallelExecutor:
             raise
         threading.Thread(target=self._monitor, name="pagedllm-tp-monitor", daemon=True).start()
         _last_launched = weakref.ref(self)
+        _live.add(self)
         logger.info("tensor parallel: %d ranks (%s) on %s", world, backend, device)
         return self
 

@@ -80,11 +80,15 @@ class Usage:
             self.cached_tokens + other.cached_tokens,
         )
 
-    def to_openai(self) -> dict[str, Any]:
-        """OpenAI's `usage` object."""
-        return {
+    def to_openai(self, report_cached: bool = True) -> dict[str, Any]:
+        """OpenAI's `usage` object. report_cached=False leaves out the prefix-cache hits
+        (`prompt_tokens_details`): on a server shared by tenants they tell one client
+        whether another sent the same prompt prefix."""
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if report_cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage

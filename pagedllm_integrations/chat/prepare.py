@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.chat_messages import content_text
 from ..engine.client import EngineClient
+from ..engine.request_limits import check_text
 from ..engine.sampling_params import SamplingParams, StructuredOutputsParams
 from ..engine.tool_calls import render_chat_prompt
 from .errors import ChatRequestError
+from .special_tokens import ContentGuard
 from .tool_choice import ToolPlan, plan_tools
 
 
@@ -89,8 +92,13 @@ def render_chat(
         ) from error
 
 
-def prompt_token_ids(client: EngineClient, text: str) -> list[int]:
-    """A rendered chat prompt's token ids; the template already holds any BOS token."""
+def prompt_token_ids(
+    client: EngineClient, text: str, guard: ContentGuard | None = None
+) -> list[int]:
+    """A rendered chat prompt's token ids; the template already holds any BOS token. With
+    the guard that marked the conversation, its marked special-token strings stay text."""
+    if guard is not None:
+        return guard.token_ids(text)
     return list(client.tokenizer(text, add_special_tokens=False).input_ids)
 
 
@@ -102,28 +110,53 @@ def prepare_chat(
     *,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    split_special_tokens: bool = True,
 ) -> ChatPrompt:
     """Plan the tools, render and tokenize (any thread: the engine is not touched).
 
     `params.structured_outputs` is replaced by the plan's constraint; give a structured
-    output in `options` so the tools/structure rule sees it.
+    output in `options` so the tools/structure rule sees it. split_special_tokens (the
+    default): special-token strings inside message content and tools are tokenized as
+    text, so a message cannot forge a chat turn (chat/special_tokens.py); False lets them
+    become the model's control tokens.
     """
     plan = (options or ChatOptions()).plan(client.tool_format)
+    check_message_text(messages)
+    guard = ContentGuard(client.tokenizer) if split_special_tokens else None
     text = render_chat(
         client,
-        messages,
-        plan.tools,
+        guard.mark_messages(messages) if guard is not None else messages,
+        guard.mark_value(plan.tools) if guard is not None and plan.tools else plan.tools,
         plan.tool_choice,
         add_generation_prompt=add_generation_prompt,
         template_kwargs=template_kwargs,
     )
+    token_ids = prompt_token_ids(client, text, guard)
+    if guard is not None:
+        text = guard.unmark(text)[0]
     params = params.clone(structured_outputs=plan.constraint)
-    return ChatPrompt(text, prompt_token_ids(client, text), params, plan)
+    return ChatPrompt(text, token_ids, params, plan)
+
+
+def check_message_text(messages: list[dict]) -> None:
+    """ChatRequestError naming the message whose text the tokenizer cannot take."""
+    for position, message in enumerate(messages if isinstance(messages, list | tuple) else []):
+        if not isinstance(message, dict):
+            continue
+        try:
+            check_text(content_text(message.get("content")), f"message {position}")
+        except ValueError as error:
+            raise ChatRequestError(str(error), "messages") from None
 
 
 def count_chat_tokens(client: EngineClient, messages: list[dict], tools: list | None = None) -> int:
     """Tokens the conversation takes as a prompt (template, tools and generation prompt)."""
     plan = plan_tools(tools, tool_format=client.tool_format)
-    return len(
-        prompt_token_ids(client, render_chat(client, messages, plan.tools, plan.tool_choice))
+    guard = ContentGuard(client.tokenizer)
+    text = render_chat(
+        client,
+        guard.mark_messages(messages),
+        guard.mark_value(plan.tools) if plan.tools else plan.tools,
+        plan.tool_choice,
     )
+    return len(prompt_token_ids(client, text, guard))

@@ -16,14 +16,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..engine.client import EngineClient
+from ..engine.client import DEFAULT_STALL_SECONDS, EngineClient
+from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from .chat import create_chat_completion
 from .completions import create_completion
-from .errors import APIError, install_error_handlers
+from .errors import APIError, GuardedRoute, install_error_handlers
 from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from .metrics import PrometheusStatLogger
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .serving import ServerState
+from .serving import ServerLimits, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ def create_app(
     api_key: str | None = None,
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    compile_timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S,
+    report_cached_tokens: bool = True,
+    health_stall_timeout: float = DEFAULT_STALL_SECONDS,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
@@ -48,25 +52,38 @@ def create_app(
     api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
     max_queue_len: sequences (running + waiting) admitted at once; past it a request gets 503.
     max_body_bytes: larger request bodies get 413.
+    compile_timeout: seconds a response_format or forced tool call may take to compile
+        (past it: 400); None for no limit.
+    report_cached_tokens: report prefix-cache hits in `usage` (turn off on a server shared
+        by tenants that must not learn about each other's prompts; see also `cache_salt`).
+    health_stall_timeout: /health answers 503 once an engine step has run this long.
     """
     if max_queue_len is not None and max_queue_len < 1:
         raise ValueError(f"max_queue_len must be >= 1 (or None for no limit), got {max_queue_len}")
+    if compile_timeout is not None and compile_timeout <= 0:
+        raise ValueError(f"compile_timeout must be > 0 (or None), got {compile_timeout}")
+    if health_stall_timeout <= 0:
+        raise ValueError(f"health_stall_timeout must be > 0, got {health_stall_timeout}")
     model_name = served_model_name or engine.model_name
     metrics = PrometheusStatLogger(model_name)
     engine.add_stat_logger(metrics)
-    state = ServerState(engine, model_name, metrics, max_queue_len)
+    limits = ServerLimits(compile_timeout, report_cached_tokens, health_stall_timeout)
+    state = ServerState(engine, model_name, metrics, max_queue_len, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         for task in list(state.background):
             task.cancel()
+        state.pool.shutdown(wait=False, cancel_futures=True)
         if engine_alive(engine):  # stop feeding this app's registry
             engine.remove_stat_logger(metrics)
 
     app = FastAPI(
         title="pagedllm", summary="OpenAI-compatible API over pagedllm", lifespan=lifespan
     )
+    # Unexpected errors in a route answer a generic 500 there (see GuardedRoute).
+    app.router.route_class = GuardedRoute
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -94,8 +111,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not engine_alive(engine):
-            raise APIError(503, "the engine is not running")
+        # Flags only, no engine call: it must answer at once however busy the engine is.
+        problem = engine.health(limits.health_stall_timeout)
+        if problem is not None:
+            raise APIError(503, problem)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -5,7 +5,6 @@ shapes. With tools on offer, a stream holds back only the text that may be a too
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -16,9 +15,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.logprobs import chat_logprobs
 from ..chat.outputs import ChatChoice, Usage, read_choice
-from ..chat.prepare import ChatOptions, prepare_chat
+from ..chat.prepare import ChatOptions, ChatPrompt, prepare_chat
 from ..chat.stream import ChoiceStream
 from ..chat.tool_choice import ToolPlan
+from ..engine.output_processor import RequestGroup
+from ..engine.request_limits import check_schema
 from .errors import APIError, sse_error
 from .protocol import ChatCompletionRequest, ChatMessage
 from .sampling import build_sampling_params, response_format_constraint
@@ -44,9 +45,7 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
                 "type": "function",
                 "function": {
                     "name": call.function.name,
-                    "arguments": call.function.arguments
-                    if isinstance(call.function.arguments, str)
-                    else json.dumps(call.function.arguments),
+                    "arguments": _arguments_text(call.function.arguments),
                 },
             }
             for call in message.tool_calls
@@ -54,6 +53,31 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _arguments_text(arguments: str | dict[str, Any]) -> str:
+    if isinstance(arguments, str):
+        return arguments
+    try:  # json.dumps recurses on the depth the client chose
+        check_schema(arguments, "tool call arguments")
+    except ValueError as error:
+        raise APIError(400, str(error), param="messages") from None
+    return json.dumps(arguments)
+
+
+def _prepare(state: ServerState, body: ChatCompletionRequest, params) -> ChatPrompt:
+    """The conversation rendered, tokenized, its tools planned (off the event loop)."""
+    choice = body.tool_choice
+    options = ChatOptions(
+        tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+        tool_choice=choice if choice is None or isinstance(choice, str) else choice.model_dump(),
+        structured=response_format_constraint(body.response_format),
+        parallel_tool_calls=bool(body.parallel_tool_calls),
+    )
+    messages = [_message_dict(m) for m in body.messages]
+    return prepare_chat(
+        state.engine, messages, params, options, split_special_tokens=body.split_special_tokens
+    )
 
 
 async def create_chat_completion(
@@ -72,20 +96,26 @@ async def create_chat_completion(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream,
     )
-    choice = body.tool_choice
-    options = ChatOptions(
-        tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-        tool_choice=choice if choice is None or isinstance(choice, str) else choice.model_dump(),
-        structured=response_format_constraint(body.response_format),
-        parallel_tool_calls=bool(body.parallel_tool_calls),
-    )
-    messages = [_message_dict(m) for m in body.messages]
-    prompt = await asyncio.to_thread(prepare_chat, state.engine, messages, params, options)
     response_id = new_id("chatcmpl")
-    call = await state.start([prompt.engine_prompt], prompt.params, response_id)
+    prepared: list[ChatPrompt] = []
+
+    def make_groups() -> list[RequestGroup]:
+        prompt = _prepare(state, body, params)
+        prepared.append(prompt)
+        group = state.make_group(
+            prompt.engine_prompt, prompt.params, response_id, body.cache_salt,
+            max_tokens_given=max_tokens is not None,
+        )  # fmt: skip
+        return [group]
+
+    try:
+        call = await state.start(request, body.n, make_groups)
+    except ClientGone:
+        return Response(status_code=499)
+    plan = prepared[0].plan
     if body.stream:
         return StreamingResponse(
-            _stream(state, body, call, response_id, prompt.plan), media_type="text/event-stream"
+            _stream(state, body, call, response_id, plan), media_type="text/event-stream"
         )
     try:
         (final,) = await finals_unless_disconnected(request, call)
@@ -93,7 +123,7 @@ async def create_chat_completion(
         return Response(status_code=499)
     choices = []
     for output in sorted(final.outputs, key=lambda o: o.index):
-        read = read_choice(output.text, output.finish_reason, prompt.plan)
+        read = read_choice(output.text, output.finish_reason, plan)
         choices.append(
             {
                 "index": output.index,
@@ -110,7 +140,7 @@ async def create_chat_completion(
             "created": int(time.time()),
             "model": state.model_name,
             "choices": choices,
-            "usage": Usage.of([final]).to_openai(),
+            "usage": Usage.of([final]).to_openai(state.limits.report_cached_tokens),
             "system_fingerprint": None,
         }
     )
@@ -144,6 +174,7 @@ async def _stream(
     options = body.stream_options
     include_usage = options is not None and options.include_usage
     continuous = include_usage and options is not None and options.continuous_usage_stats
+    report_cached = state.limits.report_cached_tokens
     choices = [ChoiceStream(plan) for _ in range(body.n)]
     started = [False] * body.n
     usage = Usage()
@@ -165,7 +196,7 @@ async def _stream(
             ],
         }
         if include_usage:
-            payload["usage"] = usage.to_openai() if continuous else None
+            payload["usage"] = usage.to_openai(report_cached) if continuous else None
         return sse(payload)
 
     try:
@@ -201,12 +232,12 @@ async def _stream(
                 "created": created,
                 "model": state.model_name,
                 "choices": [],
-                "usage": usage.to_openai(),
+                "usage": usage.to_openai(report_cached),
             }
             yield sse(payload)
         yield SSE_DONE
     except Exception as error:  # the 200 is already out: report in the stream
-        yield sse_error(error)
+        yield sse_error(error, f"chat stream {response_id}")
         yield SSE_DONE
     finally:
         call.close()

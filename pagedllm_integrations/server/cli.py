@@ -10,6 +10,8 @@ import logging
 import sys
 
 from ..cli_generate import add_engine_arguments, engine_kwargs
+from ..engine.client import DEFAULT_STALL_SECONDS
+from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from .app import DEFAULT_MAX_QUEUE_LEN
 from .guard import DEFAULT_MAX_BODY_BYTES
 
@@ -40,6 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413",
+    )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        help="seconds a response_format or forced tool call may take to compile; past it "
+        f"the request gets 400 (default {DEFAULT_COMPILE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--report-cached-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="report prefix-cache hits in usage (prompt_tokens_details.cached_tokens); "
+        "--no-report-cached-tokens on a server shared by tenants",
+    )
+    parser.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_SECONDS,
+        help="/health answers 503 once an engine step has run this many seconds "
+        f"(default {DEFAULT_STALL_SECONDS:g})",
     )
     parser.add_argument(
         "--disable-log-stats",
@@ -77,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_queue_len=args.max_queue_len,
             max_body_bytes=args.max_body_bytes,
+            compile_timeout=args.grammar_compile_timeout,
+            report_cached_tokens=args.report_cached_tokens,
+            health_stall_timeout=args.health_stall_timeout,
         )
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

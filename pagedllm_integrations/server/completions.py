@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat.logprobs import completion_logprobs
 from ..chat.outputs import Usage
 from ..engine.client import PromptType
+from ..engine.output_processor import RequestGroup
 from .errors import APIError, sse_error
 from .protocol import MAX_PROMPTS, CompletionRequest
 from .sampling import build_sampling_params
@@ -59,8 +60,27 @@ async def create_completion(
         stream=body.stream,
     )
     response_id = new_id("cmpl")
-    call = await state.start(prompts, params, response_id)
-    echoes = [_echo_text(state, p) if body.echo else "" for p in prompts]
+    max_tokens_given = "max_tokens" in body.model_fields_set and body.max_tokens is not None
+    echoes: list[str] = []
+
+    def make_groups() -> list[RequestGroup]:
+        groups = [
+            state.make_group(
+                prompt,
+                params,
+                f"{response_id}-{index}" if len(prompts) > 1 else response_id,
+                body.cache_salt,
+                max_tokens_given=max_tokens_given,
+            )
+            for index, prompt in enumerate(prompts)
+        ]
+        echoes.extend(_echo_text(state, p) if body.echo else "" for p in prompts)
+        return groups
+
+    try:
+        call = await state.start(request, len(prompts) * params.n, make_groups)
+    except ClientGone:
+        return Response(status_code=499)
     if body.stream:
         return StreamingResponse(
             _stream(state, body, call, response_id, echoes), media_type="text/event-stream"
@@ -88,15 +108,18 @@ async def create_completion(
             "created": int(time.time()),
             "model": state.model_name,
             "choices": choices,
-            "usage": Usage.of(finals).to_openai(),
+            "usage": Usage.of(finals).to_openai(state.limits.report_cached_tokens),
             "system_fingerprint": None,
         }
     )
 
 
-def _usage(prompt_tokens: list[int], generated: list[list[int]], cached: list[int]) -> dict:
+def _usage(
+    prompt_tokens: list[int], generated: list[list[int]], cached: list[int], report_cached: bool
+) -> dict:
     """Usage of a stream over several prompts, from its running counts."""
-    return Usage(sum(prompt_tokens), sum(map(sum, generated)), sum(cached)).to_openai()
+    usage = Usage(sum(prompt_tokens), sum(map(sum, generated)), sum(cached))
+    return usage.to_openai(report_cached)
 
 
 def _echo_text(state: ServerState, prompt: PromptType) -> str:
@@ -123,6 +146,7 @@ async def _stream(
     include_usage = options is not None and options.include_usage
     continuous = include_usage and options is not None and options.continuous_usage_stats
     num_prompts = len(echoes)
+    report_cached = state.limits.report_cached_tokens
     prompt_tokens = [0] * num_prompts
     cached = [0] * num_prompts
     generated = [[0] * body.n for _ in range(num_prompts)]
@@ -165,7 +189,9 @@ async def _stream(
                 }
                 if include_usage:
                     chunk["usage"] = (
-                        _usage(prompt_tokens, generated, cached) if continuous else None
+                        _usage(prompt_tokens, generated, cached, report_cached)
+                        if continuous
+                        else None
                     )
                 yield sse(chunk)
         if include_usage:
@@ -176,12 +202,12 @@ async def _stream(
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": _usage(prompt_tokens, generated, cached),
+                    "usage": _usage(prompt_tokens, generated, cached, report_cached),
                 }
             )
         yield SSE_DONE
     except Exception as error:  # the 200 is already out: report in the stream
-        yield sse_error(error)
+        yield sse_error(error, f"completion stream {response_id}")
         yield SSE_DONE
     finally:
         call.close()

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
+import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_body
+
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_MAX_BODY_BYTES = 4 * MiB
@@ -22,8 +26,14 @@ _OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers' pro
 class GuardMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+
+    def _authorized(self, given: bytes) -> bool:
+        """`Bearer <key>`; the scheme is case-insensitive (RFC 9110), the key is not."""
+        assert self.expected is not None
+        scheme, _, token = given.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -32,7 +42,7 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.expected is not None and scope.get("path") not in _OPEN_PATHS:
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self._authorized(given):
                 reason = (
                     "missing API key: send 'Authorization: Bearer <key>'"
                     if not given
@@ -67,6 +77,11 @@ class GuardMiddleware:
         if disconnected:
             return
         body = b"".join(parts)
+        problem = text_problem(body)
+        if problem is not None:
+            logger.info("refused a request body: %s", problem)
+            await _reply(send, 400, problem, "invalid_request_error", "invalid_text")
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -77,6 +92,38 @@ class GuardMiddleware:
             return await receive()  # after the body: the client's disconnect
 
         await self.app(scope, replay, send)
+
+
+# A \\uXXXX escape of a UTF-16 surrogate (either half) in JSON text.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def text_problem(body: bytes) -> str | None:
+    """Why a body's text cannot reach the tokenizer (or a JSON response), or None.
+
+    Bytes that are not UTF-8, and JSON escapes of lone UTF-16 surrogates ("\\ud800" without
+    its low half): Python keeps such a string, and it fails later, deep in the tokenizer or
+    in encoding the response. A surrogate pair (an emoji, as json.dumps writes it) is fine.
+    All in C: a scan for surrogate escapes, and only when there are some, the body parsed
+    and written back as UTF-8, which fails exactly on a lone surrogate (a key's or a value's).
+    """
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return f"the request body is not valid UTF-8 (byte {error.start})"
+    if _SURROGATE_ESCAPE.search(body) is None:
+        return None
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(error.object[error.start])
+        return (
+            f"the request body holds a lone UTF-16 surrogate (U+{code:04X}); every string must "
+            "be valid Unicode"
+        )
+    except (ValueError, RecursionError):  # not JSON: the route answers 400 for that
+        return None
+    return None
 
 
 async def _drain(receive: Receive, limit: int) -> None:

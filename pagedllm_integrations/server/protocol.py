@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 128
 MAX_PROMPTS = 256
 MAX_STOP = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT = 256
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -54,11 +56,14 @@ class _SamplingFields(_Body):
     top_k: int | None = None
     min_p: FiniteFloat | None = None
     repetition_penalty: FiniteFloat | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: mixed into the prefix-cache hashes, so only requests with the same salt share
+    # cached blocks (one salt per tenant keeps tenants from probing each other's prompts).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -147,3 +152,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # Special-token strings inside message content stay text (true, the default), so a
+    # message cannot open a forged turn; false lets them become the model's control tokens.
+    split_special_tokens: bool = True

@@ -33,6 +33,21 @@ def build_sampling_params(
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
     }
+    try:
+        return _build(model, body, given, logprobs, stream)
+    except ValueError as error:  # name the field: the engine's messages start with it
+        first = str(error).split(" ", 1)[0].split("[", 1)[0]
+        param = first if first in type(body).model_fields else None
+        raise APIError(400, str(error), param=param, code="invalid_value") from None
+
+
+def _build(
+    model: ModelInfo,
+    body: CompletionRequest | ChatCompletionRequest,
+    given: dict,
+    logprobs: int | None,
+    stream: bool,
+) -> SamplingParams:
     return build_params(
         model.generation_defaults,
         given,
@@ -76,4 +91,7 @@ def response_format_constraint(fmt: ResponseFormat | None) -> StructuredOutputsP
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:
         raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON schema)",
                        param="response_format")  # fmt: skip
-    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+    try:
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+    except ValueError as error:  # a schema past the limits (engine/request_limits.py)
+        raise APIError(400, str(error), param="response_format") from None

@@ -16,22 +16,42 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from starlette.requests import Request
 
 from ..engine.async_engine import RequestStream
-from ..engine.client import EngineClient
-from ..engine.llm_engine import PromptType
+from ..engine.client import DEFAULT_STALL_SECONDS, EngineClient, PromptType
+from ..engine.output_processor import RequestGroup
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
+from ..engine.structured_outputs import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    CompileCancelledError,
+    compile_limits,
+)
 from .errors import APIError
 from .metrics import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PREPARE_THREADS = 4  # tokenizing / rendering / compiling requests at once
+
+
+@dataclass(slots=True)
+class ServerLimits:
+    """What the server bounds per request, beyond the engine's own checks."""
+
+    compile_timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S  # seconds a constraint may take
+    report_cached_tokens: bool = True  # usage.prompt_tokens_details.cached_tokens
+    health_stall_timeout: float = DEFAULT_STALL_SECONDS  # a step this long: /health says 503
 
 
 @dataclass(slots=True)
@@ -40,6 +60,14 @@ class ServerState:
     model_name: str
     metrics: PrometheusStatLogger
     max_queue_len: int | None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    # Tokenizing, rendering and grammar compiling run here, never on the event loop; the
+    # admission count (max_queue_len) bounds what waits for it.
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            max_workers=PREPARE_THREADS, thread_name_prefix="pagedllm-prepare"
+        )
+    )
     in_flight: int = 0  # sequences admitted and not yet ended (running + waiting)
     background: set[asyncio.Task] = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -54,12 +82,41 @@ class ServerState:
                 code="model_not_found",
             )
 
+    async def off_loop(self, request: Request, work: Callable[[], T]) -> T:
+        """Run `work` in the server's pool, within the compile timeout; if the client leaves
+        meanwhile, raise ClientGone and drop the work (a queued job never starts, a compile
+        it waits for is dropped when nobody else waits for it)."""
+        cancelled = threading.Event()
+        timeout = self.limits.compile_timeout
+
+        def job() -> T:
+            if cancelled.is_set():
+                raise CompileCancelledError("the client left before its request was prepared")
+            with compile_limits(timeout, cancelled):
+                return work()
+
+        future = asyncio.wrap_future(self.pool.submit(job))
+        try:
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    try:
+                        return future.result()
+                    except CompileCancelledError:
+                        raise ClientGone from None
+                if await request.is_disconnected():
+                    raise ClientGone
+        finally:
+            if not future.done():
+                cancelled.set()
+                future.cancel()
+
     async def start(
-        self, prompts: list[PromptType], params: SamplingParams, id_prefix: str
+        self, request: Request, sequences: int, make_groups: Callable[[], list[RequestGroup]]
     ) -> EngineCall:
-        """Admit, validate (off the event loop: tokenizing and grammar compiling take time)
-        and submit every prompt; nothing is submitted unless every prompt is valid."""
-        sequences = len(prompts) * params.n
+        """Admit `sequences`, make the engine requests off the event loop (`make_groups`:
+        tokenize, validate, compile) and submit them all; nothing is submitted unless every
+        one is valid."""
         limit = self.max_queue_len
         if limit is not None and sequences > limit:
             raise APIError(
@@ -77,37 +134,58 @@ class ServerState:
             )
         self.in_flight += sequences  # reserved now: the awaits below let others in
         submitted: list[RequestStream] = []
+        n = sequences
         try:
-            groups = []
-            for index, prompt in enumerate(prompts):
-                request_id = f"{id_prefix}-{index}" if len(prompts) > 1 else id_prefix
-                groups.append(await self._process(prompt, params, request_id))
+            groups = await self.off_loop(request, make_groups)
+            n = groups[0].params.n if groups else 1
             loop = asyncio.get_running_loop()
             for group in groups:
                 submitted.append(self.engine.submit(group, loop=loop))
         except BaseException:
-            self.in_flight -= sequences - len(submitted) * params.n
+            self.in_flight -= sequences - len(submitted) * n
             if submitted:  # the pumps of what went in release those sequences
-                EngineCall(self, submitted, params.n).close()
+                EngineCall(self, submitted, n).close()
             raise
-        return EngineCall(self, submitted, params.n)
+        return EngineCall(self, submitted, n)
 
-    async def _process(self, prompt: PromptType, params: SamplingParams, request_id: str):
+    def make_group(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        max_tokens_given: bool = False,
+    ) -> RequestGroup:
+        """One engine request (any thread but the loop's): tokenized and validated by the
+        engine; a max_tokens the client set that does not fit the context is a 400, as in
+        vLLM and OpenAI (left unset, generation runs to the end of the context)."""
         try:
-            return await asyncio.to_thread(self.engine.process_inputs, prompt, params, request_id)
-        except ValueError:
+            group = self.engine.process_inputs(prompt, params, request_id, cache_salt=cache_salt)
+        except (ValueError, CompileCancelledError):
             raise
         except Exception as error:
             # Compiling a client's schema or grammar can fail in the grammar library with
             # its own exception types; the schema came from the client, so it is a 400.
             if params.structured_outputs is None:
                 raise
-            logger.info("structured-output constraint rejected: %s", error)
+            logger.info("structured-output constraint rejected: %r", str(error)[:300])
+            raise APIError(
+                400, "the structured-output constraint could not be compiled",
+                param="response_format",
+            ) from error  # fmt: skip
+        max_len = self.engine.max_model_len
+        prompt_len = len(group.prompt_token_ids)
+        wanted = params.max_tokens if max_tokens_given else None
+        if wanted is not None and prompt_len + wanted > max_len:
             raise APIError(
                 400,
-                f"the structured-output constraint could not be compiled: {error}",
-                param="response_format",
-            ) from error
+                f"this model's maximum context length is {max_len} tokens; the request asks "
+                f"for {prompt_len + wanted} ({prompt_len} in the prompt, {wanted} to "
+                f"generate): lower max_tokens to at most {max_len - prompt_len} or leave it unset",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return group
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
