@@ -1,5 +1,6 @@
 """Build (once) and load the C++ CPU kernels of kernels/csrc/ (linear_packed.cpp,
-linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp; common.h, kernels.h).
+linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp, thread_pool.cpp; common.h, kernels.h,
+thread_pool.h).
 
 The source ships inside the package and is compiled on first use with the machine's C++
 compiler (`-O3 -march=native`), through torch.utils.cpp_extension and ninja, into the
@@ -14,10 +15,13 @@ same results.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -26,7 +30,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "linear_bf16.cpp", "linear_packed.cpp", "attention.cpp", "decoder.cpp")
+_SOURCES = (
+    "ops.cpp",
+    "linear_bf16.cpp",
+    "linear_packed.cpp",
+    "attention.cpp",
+    "decoder.cpp",
+    "thread_pool.cpp",
+)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "error": str
 
@@ -79,22 +90,43 @@ def load_error() -> str | None:
 
 
 def _build_and_load() -> None:
+    folder = build_dir()
+    library = folder / "pagedllm_cpu_ops.so"
+    if not library.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # One builder at a time per machine. flock is released by the kernel when its holder
+        # dies, so a build interrupted by Ctrl-C or a killed test never blocks the next one
+        # (torch's own build lock is a plain file that a dead builder leaves behind forever;
+        # here it lives in a private folder that is thrown away).
+        with open(folder.parent / f"{folder.name}.lock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            if not library.exists():  # another process may have built it while we waited
+                _build_into(folder)  # which also loads it into this process
+                return
+    torch.ops.load_library(str(library))
+
+
+def _build_into(folder: Path) -> None:
+    """Compile into a fresh temporary folder, then rename it to `folder` in one step: a
+    folder named by the key always holds a complete library."""
     from torch.utils import cpp_extension
 
-    folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    library = folder / "pagedllm_cpu_ops.so"
-    if library.exists():
-        torch.ops.load_library(str(library))
-        return
     logger.info("building the C++ CPU kernels once into %s (about a minute)", folder)
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
-    cpp_extension.load(
-        name="pagedllm_cpu_ops",
-        sources=[str(_CSRC / name) for name in _SOURCES],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        is_python_module=False,
-        verbose=False,
-    )
+    scratch = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
+    try:
+        flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+        cpp_extension.load(
+            name="pagedllm_cpu_ops",
+            sources=[str(_CSRC / name) for name in _SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(scratch),
+            is_python_module=False,
+            verbose=False,
+        )
+        if folder.exists():  # a partial folder, left by a build that was interrupted
+            shutil.rmtree(folder)
+        scratch.chmod(0o755)  # mkdtemp makes it private
+        scratch.rename(folder)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -300,3 +300,36 @@ def test_attention_rows_do_not_depend_on_how_the_prompt_was_split():
         assert torch.equal(torch.cat([attend(0, cut), attend(cut, length - cut)]), whole)
     for row in (0, 5, 63, 64, 69):
         assert torch.equal(attend(row, 1), whole[row : row + 1])
+
+
+def test_the_kernel_thread_pool_serves_several_callers_and_forked_children():
+    """kernels/csrc/thread_pool.cpp: loops started from several Python threads at once give
+    the same bits as one at a time, and a forked child (a server worker, a DataLoader) has
+    a pool of its own instead of waiting for the parent's threads, which it does not have."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedllm_integrations.quant.packed_linear import kernel_weight, packed_matmul
+
+    g = torch.Generator().manual_seed(21)
+    tiled = kernel_weight(quantize_u4(torch.randn(256, 128, generator=g)))
+    inputs = [torch.randn(m, 128, generator=g) for m in (1, 3, 16, 40) * 4]
+    serial = [packed_matmul(x, tiled) for x in inputs]
+    with ThreadPoolExecutor(4) as callers:
+        concurrent = list(callers.map(lambda x: packed_matmul(x, tiled), inputs))
+    assert all(torch.equal(a, b) for a, b in zip(serial, concurrent))
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child reports through the pipe, and dies if it ever hangs
+        signal.alarm(120)
+        try:
+            ok = all(torch.equal(packed_matmul(x, tiled), y) for x, y in zip(inputs, serial))
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    assert os.read(read, 1) == b"1" and os.WEXITSTATUS(status) == 0
+    os.close(read)

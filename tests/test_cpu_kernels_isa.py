@@ -33,7 +33,8 @@ CHILD = textwrap.dedent(
     from torch.utils import cpp_extension
     csrc, build, flags, io = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4]
     cpp_extension.load(
-        name="pagedllm_isa_check", sources=[csrc + "/linear_packed.cpp"],
+        name="pagedllm_isa_check",
+        sources=[csrc + "/linear_packed.cpp", csrc + "/thread_pool.cpp"],
         extra_cflags=["-O2", "-march=native", *flags, "-ffp-contract=off", "-fopenmp",
                       "-std=c++17"],
         extra_ldflags=["-fopenmp"], extra_include_paths=[csrc], build_directory=build,

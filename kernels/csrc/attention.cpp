@@ -260,17 +260,14 @@ void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tenso
   float* op = out.data_ptr<float>();
   const CacheT* kc = k_cache.data_ptr<CacheT>();
   const CacheT* vc = v_cache.data_ptr<CacheT>();
-  // Items sorted by cost, dealt out round-robin: every thread gets a similar share.
-  const int64_t threads = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  // Items sorted by cost, each a chunk claimed by whichever thread is free: the largest
+  // are taken first, and a thread that is late (descheduled) leaves its share to the others.
+  run_chunks(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Scratch s;
     s.keys_t.resize(geo.head_dim * kChunk);
     s.values.resize(kChunk * geo.head_dim);
     s.probs.resize(kChunk);
-    for (int64_t t = begin; t < end; ++t)
-      for (size_t i = t; i < items.size(); i += threads)
-        attend_item(items[i], qp, kc, vc, op, cu, lens, tables, geo, scale, window, soft_cap, s);
+    attend_item(items[i], qp, kc, vc, op, cu, lens, tables, geo, scale, window, soft_cap, s);
   });
 }
 

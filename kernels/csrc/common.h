@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "thread_pool.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512 1

@@ -200,7 +200,7 @@ Tensor packed_matmul(const Tensor& x_in, int64_t n, int64_t k, const MakeRow& ma
   const int64_t num_tiles = (n + kTileRows - 1) / kTileRows;
 #ifdef PAGEDLLM_AVX512
   if (m <= kDirectRows) {
-    at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
       const int64_t last = std::min(n, end * kTileRows);
       int64_t row = begin * kTileRows;
       for (; row + 4 <= last; row += 4) {
@@ -215,7 +215,7 @@ Tensor packed_matmul(const Tensor& x_in, int64_t n, int64_t k, const MakeRow& ma
     return out;
   }
 #endif
-  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<bf16> tile;
     tile.resize(kTileRows * k);
     for (int64_t t = begin; t < end; ++t) {

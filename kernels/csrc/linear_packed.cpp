@@ -110,7 +110,7 @@ QuantizedRows quantize_activations(const Tensor& x) {
   int8_t* qp = q.data();
   float* dp = d.data();
   int32_t* sp = xs.data();
-  at::parallel_for(0, m, 256, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
 #ifdef PAGEDLLM_AVX512
       quantize_row_avx512(xp + r * k, k, qp + r * k, dp + r * (k / kBlock), sp + r * (k / kBlock));
@@ -303,7 +303,7 @@ void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const 
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   const S* mp = mins.numel() > 0 ? mins.data_ptr<S>() : nullptr;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
       const int64_t c1 = std::min(m, c0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
@@ -390,7 +390,7 @@ Tensor tile_u4(const Tensor& qweight) {
   Tensor out = at::zeros({num_tiles, groups, 4, 64}, qweight.options());
   const uint8_t* src = qweight.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / kTile, r = row % kTile;
       for (int64_t g = 0; g < groups; ++g) {
@@ -415,7 +415,7 @@ Tensor tile_i8(const Tensor& qweight) {
   Tensor out = at::full({num_tiles, k / 4, 64}, 128, qweight.options().dtype(at::kByte));
   const int8_t* src = qweight.data_ptr<int8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / kTile, r = row % kTile;
       for (int64_t kk = 0; kk < k; ++kk)

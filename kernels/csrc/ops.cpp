@@ -26,7 +26,7 @@ Tensor rms_norm(const Tensor& x_in, const Tensor& weight, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * h, wp, op + r * h, h, eps);
   });
   return out;
@@ -43,7 +43,7 @@ Tensor add_rms_norm(const Tensor& x_in, Tensor& residual, const Tensor& weight, 
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* res = rp + r * h;
       for (int64_t i = 0; i < h; ++i) res[i] += xp[r * h + i];
@@ -79,7 +79,7 @@ void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& c
       x[i + half] = x2 * c[i] + x1 * s[i];
     }
   };
-  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* c = cp + pp[i] * half;
       const float* s = sp + pp[i] * half;
@@ -98,7 +98,7 @@ Tensor gated_act(const Tensor& x_in, bool gelu) {
   Tensor out = at::empty({t, inner}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
+  parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = xp + r * 2 * inner;
       const float* up = gate + inner;
