@@ -185,7 +185,10 @@ def test_all_eight_methods_agree_with_the_engine_and_fire_callbacks(llm) -> None
 def test_chat_renders_the_model_chat_template(llm) -> None:
     tokenizer = llm.engine.tokenizer
     messages = [
-        ChatMessage(role="system", content="You are terse."),
+        # A 135M model's greedy answer swings with the system prompt: "You are terse." gets
+        # French prose from the Q4_1 file with int8 activations, here and in llama.cpp alike
+        # (float32 answers Paris). This one gets the plain answer on every path.
+        ChatMessage(role="system", content="You are a helpful assistant."),
         ChatMessage(role="user", content="What is the capital of France?"),
     ]
     template = tokenizer.apply_chat_template(
