@@ -33,6 +33,8 @@ from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode.ngram import NgramProposer
+from .spec_decode.verifier import DraftVerifier
 from .tool_formats import ToolCallFormat
 
 logger = logging.getLogger(__name__)
@@ -109,9 +111,11 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             num_swap_blocks=num_swap_blocks,
+            proposer=NgramProposer(config.speculation) if config.speculation else None,
         )
         self.executor.allocate(self.num_blocks, block_size, num_swap_blocks)
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
+        self.verifier = DraftVerifier(self.sampler)
         self.groups: dict[str, RequestGroup] = {}
         self.counters = EngineCounters()
         self.stat_loggers: list[StatLogger] = [self.counters]
@@ -244,9 +248,11 @@ class LLMEngine:
         block_ids = [
             self.kv_manager.get_block_ids(item.request.request_id) for item in out.scheduled
         ]
+        tokens: list[list[int]] = [[] for _ in out.scheduled]
+        logprobs: list[list] = [[] for _ in out.scheduled]
         try:
             logits, sampled_rows = self.executor.execute(out, block_ids)
-            sampled = self.sampler(logits, [out.scheduled[i].request for i in sampled_rows])
+            self._sample(out, logits, sampled_rows, tokens, logprobs, iteration)
         except Exception as error:  # the whole step failed: fail its requests, keep serving
             logger.exception(
                 "engine step failed; failing the %d requests in it", len(out.scheduled)
@@ -254,11 +260,6 @@ class LLMEngine:
             for item in out.scheduled:
                 self._fail(item.request, f"{type(error).__name__}: {error}", touched, uncache=True)
             return
-        tokens: list[list[int]] = [[] for _ in out.scheduled]
-        logprobs: list[list] = [[] for _ in out.scheduled]
-        for row, index in enumerate(sampled_rows):
-            tokens[index] = [sampled.token_ids[row]]
-            logprobs[index] = [sampled.logprobs[row]]
         update = self.scheduler.update_from_output(out, tokens, logprobs, iteration)
         for request, message in update.failed:
             self._fail(request, message, touched)
@@ -266,6 +267,54 @@ class LLMEngine:
             group = self.groups.get(request.parent_id or request.request_id)
             if group is not None:
                 touched[group.request_id] = group
+
+    def _sample(
+        self,
+        out: SchedulerOutput,
+        logits: torch.Tensor,  # [sum of each sampled request's 1 + drafts, vocab]
+        sampled_rows: list[int],
+        tokens: list[list[int]],
+        logprobs: list[list],
+        iteration: IterationStats,
+    ) -> None:
+        """Fill tokens[i] / logprobs[i] for each sampled out.scheduled[i]: one sampled token,
+        or, for a request that verified drafts, its accepted drafts and one more."""
+        if not out.num_draft_tokens:
+            sampled = self.sampler(logits, [out.scheduled[i].request for i in sampled_rows])
+            for row, index in enumerate(sampled_rows):
+                tokens[index] = [sampled.token_ids[row]]
+                logprobs[index] = [sampled.logprobs[row]]
+            return
+        # Rows of requests without drafts go through the sampler as in any step; requests
+        # with drafts through the verifier.
+        plain_rows, plain, drafting_rows, drafting = [], [], [], []
+        row = 0
+        for index in sampled_rows:
+            num_rows = 1 + len(out.scheduled[index].draft_token_ids)
+            if num_rows == 1:
+                plain_rows.append(row)
+                plain.append(index)
+            else:
+                drafting_rows.extend(range(row, row + num_rows))
+                drafting.append(index)
+            row += num_rows
+        if plain:
+            sampled = self.sampler(logits[plain_rows], [out.scheduled[i].request for i in plain])
+            for position, index in enumerate(plain):
+                tokens[index] = [sampled.token_ids[position]]
+                logprobs[index] = [sampled.logprobs[position]]
+        items = [out.scheduled[i] for i in drafting]
+        verified = self.verifier(
+            logits[drafting_rows] if plain else logits,
+            [item.request for item in items],
+            [item.draft_token_ids for item in items],
+        )
+        for position, index in enumerate(drafting):
+            tokens[index] = verified.token_ids[position]
+            logprobs[index] = verified.logprobs[position]
+        iteration.record_drafts(
+            [len(item.draft_token_ids) for item in items], verified.num_accepted
+        )
 
     def _fail(self, request: Request, message: str, touched: dict, uncache: bool = False) -> None:
         request.error = message

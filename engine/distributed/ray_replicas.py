@@ -30,7 +30,7 @@ from ..async_engine import EngineDeadError, RequestError, RequestStream
 from ..client import EngineClient, ModelInfo
 from ..config import EngineConfig
 from ..input_processor import InputProcessor
-from ..metrics import SchedulerStats
+from ..metrics import SchedulerStats, SpecDecodingStats
 from ..output_processor import RequestGroup
 from .ray_actor import ReplicaActor, ReplicaFailure
 from .replica_job import ReplicaJob
@@ -69,6 +69,10 @@ class ReplicaCounters:
                     total[key] = total.get(key, 0) + value
         if per_replica:
             total["kv_cache_usage"] = total.get("kv_cache_usage", 0.0) / len(per_replica)
+        spec = SpecDecodingStats()  # rates are recomputed from the summed counts
+        for snap in per_replica:
+            spec.add(SpecDecodingStats.from_dict(snap))
+        total.update(spec.as_dict())
         total["replicas"] = per_replica
         total["prefix_routed"] = self._owner.router.prefix_routed
         total["replicas_replaced"] = self._owner.replicas_replaced
