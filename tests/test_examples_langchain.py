@@ -36,6 +36,8 @@ def test_rag_example_streams_answers_and_reads_the_prefix_cache() -> None:
     closing = re.search(r"([\d.]+) tokens/s; prefix-cache hit rate ([\d.]+)%", out)
     assert closing is not None, out
     assert float(closing.group(1)) > 0 and float(closing.group(2)) > 25
+    lookup = re.search(r"prompt lookup: ([\d.]+)% of (\d+) drafted tokens accepted", out)
+    assert lookup is not None and int(lookup.group(2)) > 0, out  # the example turns it on
 
 
 def test_agent_example_calls_a_tool_and_answers() -> None:

@@ -1,0 +1,270 @@
+"""The RAG fast path on the embedded default model (issue 19), one section per feature.
+
+    python benchmarks/rag_fast_path.py                                 # every section
+    python benchmarks/rag_fast_path.py --section prompt-lookup --questions 20
+
+Sections (each writes its own key of benchmarks/results/rag_fast_path.json, so running one
+keeps the others' last results):
+
+  prompt-lookup   speculative decoding by prompt lookup, on and off, in one process on two
+                  engines that differ only in speculative_config. Workload "rag": the
+                  examples' RAG prompts (the shop's long system prompt, passages retrieved
+                  from examples/data by examples/rag_langchain.py's retriever, the 20
+                  questions), greedy, stop at a blank line as the example does; workloads
+                  "random": prompts of random tokens, greedy (the small model soon repeats
+                  itself, which lookup finds in its own output), and "random-sampled": the
+                  same prompts at temperature 1, where there is nothing to look up in the
+                  prompt or the output (the cost of drafting for nothing).
+                  Output tokens/s is each answer's tokens after the first over the time
+                  from its first token to its last (time to first token is the prefix
+                  cache's business, not speculation's), summed over the answers; the two
+                  engines alternate question by question so that a busy machine slows both
+                  alike. Checks that the greedy outputs are identical. Targets: >= 1.5x on
+                  "rag", >= 0.95x on "random" and "random-sampled".
+
+A later section (the disk prefix cache: time to first token in a fresh process, warm vs
+cold) is added as one more entry of SECTIONS: a `Section(name, help, add_arguments, run)`
+whose `run(args) -> dict` returns its results (with a "passed" bool when it has targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results" / "rag_fast_path.json"
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], dict]
+
+
+def load_rag_example():
+    """examples/rag_langchain.py as a module: its system prompt, questions and retriever."""
+    spec = importlib.util.spec_from_file_location(
+        "rag_langchain_example", ROOT / "examples" / "rag_langchain.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def rag_messages(questions: int) -> list[list[dict]]:
+    """The example chain's conversations: system prompt, then the retrieved passages and the
+    question, exactly as its ChatPromptTemplate fills them."""
+    rag = load_rag_example()
+    retriever, _ = rag.make_retriever()
+    conversations = []
+    for question in rag.QUESTIONS[:questions]:
+        context = "\n\n".join(d.page_content for d in retriever.invoke(question))
+        human = rag.HUMAN_PROMPT.format(context=context, question=question)
+        conversations.append(
+            [{"role": "system", "content": rag.SYSTEM_PROMPT}, {"role": "user", "content": human}]
+        )
+    return conversations
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+# -------------------------------------------------------------------- prompt lookup
+def add_prompt_lookup_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prompt-lookup")
+    group.add_argument("--questions", type=int, default=20, help="RAG questions (max 20)")
+    group.add_argument("--max-tokens", type=int, default=96, help="tokens per answer at most")
+    group.add_argument("--random-prompts", type=int, default=8)
+    group.add_argument("--random-prompt-tokens", type=int, default=600)
+    group.add_argument("--num-speculative-tokens", type=int, default=4)
+    group.add_argument("--prompt-lookup-max", type=int, default=4)
+    group.add_argument("--prompt-lookup-min", type=int, default=2)
+
+
+def timed(engine, prompt, params) -> dict:
+    output = engine.add_request(prompt, params).result()
+    metrics, completion = output.metrics, output.outputs[0]
+    decode_s = (metrics.last_token_time or 0.0) - (metrics.first_token_time or 0.0)
+    return {
+        "token_ids": completion.token_ids,
+        "text": completion.text,
+        "tokens": len(completion.token_ids),
+        "decode_s": decode_s,
+        "e2e_s": (metrics.finished_time or metrics.last_token_time or 0.0) - metrics.arrival_time,
+    }
+
+
+def compare(engines: dict, prompts: list, params) -> dict:
+    """Every prompt on both engines, alternating which goes first; sums and the ratio.
+    params: one SamplingParams, or one per prompt. Sampled outputs differ between the
+    engines (the same distribution, other draws), so only greedy ones are compared."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    greedy = all(p.temperature == 0 for p in per_prompt)
+    calls: dict[str, list[dict]] = {name: [] for name in engines}
+    counters = engines["lookup"].counters
+    before = counters.snapshot()
+    for index, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt)):
+        order = list(engines) if index % 2 == 0 else list(reversed(engines))
+        for name in order:
+            calls[name].append(timed(engines[name], prompt, prompt_params))
+    after = counters.snapshot()
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    result: dict[str, Any] = {}
+    for name, runs in calls.items():
+        after_first = sum(max(c["tokens"] - 1, 0) for c in runs)
+        decode_s = sum(c["decode_s"] for c in runs)
+        result[name] = {
+            "output_tokens": sum(c["tokens"] for c in runs),
+            "decode_tokens_per_s": after_first / decode_s if decode_s else 0.0,
+            "e2e_tokens_per_s": sum(c["tokens"] for c in runs) / sum(c["e2e_s"] for c in runs),
+        }
+    result["speedup"] = (
+        result["lookup"]["decode_tokens_per_s"] / result["plain"]["decode_tokens_per_s"]
+    )
+    result["e2e_speedup"] = (
+        result["lookup"]["e2e_tokens_per_s"] / result["plain"]["e2e_tokens_per_s"]
+    )
+    result["acceptance_rate"] = accepted / drafted if drafted else 0.0
+    result["draft_tokens"] = drafted
+    result["accepted_tokens"] = accepted
+    result["mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
+    result["identical_outputs"] = (
+        all(a["token_ids"] == b["token_ids"] for a, b in zip(calls["plain"], calls["lookup"]))
+        if greedy
+        else None
+    )
+    result["answers"] = [c["text"] for c in calls["lookup"]]
+    return result
+
+
+def random_prompts(tokenizer, count: int, length: int) -> list[dict]:
+    """Token ids drawn uniformly from the ordinary vocabulary: no n-gram repeats to find."""
+    special = set(tokenizer.all_special_ids)
+    vocabulary = [i for i in range(len(tokenizer)) if i not in special]
+    generator = random.Random(0)
+    return [{"prompt_token_ids": generator.sample(vocabulary, length)} for _ in range(count)]
+
+
+def run_prompt_lookup(args: argparse.Namespace) -> dict:
+    from pagedllm_integrations import AsyncEngine, SamplingParams
+
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "prompt_lookup_min": args.prompt_lookup_min,
+    }
+    settings = dict(max_model_len=2048, kv_cache_memory=256 << 20, disable_log_stats=True)
+    engines = {
+        "plain": AsyncEngine(**settings),
+        "lookup": AsyncEngine(**settings, speculative_config=spec),
+    }
+    load_before = load_average()
+    try:
+        plain = engines["plain"]
+        rag_prompts = [plain.apply_chat_template(m) for m in rag_messages(args.questions)]
+        greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop=["\n\n"])
+        for engine in engines.values():  # warm up: kernels, and the system prompt cached
+            engine.add_request(rag_prompts[0], greedy).result()
+        rag = compare(engines, rag_prompts, greedy)
+        free_running = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        noise = random_prompts(plain.tokenizer, args.random_prompts, args.random_prompt_tokens)
+        rand = compare(engines, noise, free_running)
+        sampled = [
+            SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
+            for i in range(len(noise))
+        ]
+        rand_sampled = compare(engines, noise, sampled)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    result = {
+        "speculative_config": spec,
+        "max_tokens": args.max_tokens,
+        "rag": rag,
+        "random": rand,
+        "random-sampled": rand_sampled,
+        "load_average": [load_before, load_average()],
+        "targets": {"rag_speedup": 1.5, "random_speedup": 0.95},
+    }
+    result["passed"] = bool(
+        rag["identical_outputs"]
+        and rand["identical_outputs"]
+        and rag["speedup"] >= 1.5
+        and rand["speedup"] >= 0.95
+        and rand_sampled["speedup"] >= 0.95
+    )
+    for name, workload in (("rag", rag), ("random", rand), ("random-sampled", rand_sampled)):
+        print(
+            f"{name:>14}: {workload['plain']['decode_tokens_per_s']:6.1f} -> "
+            f"{workload['lookup']['decode_tokens_per_s']:6.1f} output tokens/s "
+            f"({workload['speedup']:.2f}x; end to end {workload['e2e_speedup']:.2f}x), "
+            f"acceptance {100 * workload['acceptance_rate']:.1f}% of {workload['draft_tokens']} "
+            f"drafts, {workload['mean_acceptance_length']:.2f} tokens per verifying step, "
+            f"identical greedy outputs: {workload['identical_outputs']}"
+        )
+    print(
+        f"targets: rag >= 1.5x, random and random-sampled >= 0.95x: {'met' if result['passed'] else 'NOT met'} "
+        f"(load average {load_before:.1f} -> {result['load_average'][1]:.1f})"
+    )
+    return result
+
+
+SECTIONS = [
+    Section(
+        "prompt-lookup",
+        "speculative decoding by prompt lookup on vs off",
+        add_prompt_lookup_arguments,
+        run_prompt_lookup,
+    ),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--section",
+        action="append",
+        choices=[s.name for s in SECTIONS],
+        help="run only these sections (repeatable; default: all)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    for section in SECTIONS:
+        section.add_arguments(parser)
+    args = parser.parse_args(argv)
+    chosen = [s for s in SECTIONS if not args.section or s.name in args.section]
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results["machine"] = platform.processor() or platform.machine()
+    results["cpus"] = os.cpu_count()
+    passed = True
+    for section in chosen:
+        print(f"== {section.name}: {section.help}")
+        started = time.perf_counter()
+        results[section.name] = section.run(args)
+        results[section.name]["seconds"] = time.perf_counter() - started
+        passed = passed and results[section.name].get("passed", True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
