@@ -211,9 +211,10 @@ def main() -> int:
 
     gguf = default_model_path()
     skip = set(filter(None, args.skip.split(",")))
-    # KV for the largest batch in 16-bit: 30 layers x 2 x 3 KV heads x 64 dims x 2 bytes.
-    tokens = max(args.npl) * (PROMPT + GEN)
-    kv_bytes = int(tokens * 30 * 2 * 3 * 64 * 2 * 1.1)
+    # KV for the largest batch in 16-bit, as llama.cpp's -c gives it: 30 layers x 2 x 3 KV
+    # heads x 64 dims x 2 bytes per token, plus one 16-token block per sequence of slack.
+    tokens = max(args.npl) * (PROMPT + GEN + 16)
+    kv_bytes = tokens * 30 * 2 * 3 * 64 * 2
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-kv_bytes // 2**30)))

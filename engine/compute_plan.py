@@ -1,12 +1,14 @@
 """How the model computes on this machine: dtypes, kernels, weight format — chosen once.
 
-    dtype="auto" on a CPU with AVX-512 and a C++ compiler: the CPU fast path (bf16
-        products in hardware with AVX512-BF16 or AMX, else as float32 FMAs: same sums).
-        Weights stay as the checkpoint packs them (GGUF Q4/Q5/Q6/Q8 and
-        AWQ 4-bit in exact packed forms, float checkpoints in bf16); linears multiply them
-        with bf16 activations into float32 sums (quant/packed_linear.py); norms, rotary,
-        activation, cache writes and decode attention run as C++ kernels; the residual
-        stream stays float32; the KV cache is bf16.
+    dtype="auto" on a CPU with AVX-512 and a C++ compiler: the CPU fast path. Weights stay
+        as the checkpoint packs them (GGUF Q4/Q5/Q6/Q8 and AWQ 4-bit in exact packed forms,
+        float checkpoints in bf16). Packed linears quantize their input rows to int8 in
+        blocks of 16 and sum exact integer products per weight group (AVX512-VNNI, or the
+        same sums from vpmaddubsw without it); bf16 linears multiply bf16 activations into
+        float32 sums (vdpbf16ps with AVX512-BF16 / AMX, else the same sums as float32
+        FMAs) (quant/packed_linear.py). Norms, rotary, activation, cache writes and
+        attention run as C++ kernels; the residual stream stays float32; the KV cache is
+        bf16.
     dtype="auto" on other CPUs, or dtype="float32": the float32 reference path, token for
         token what transformers computes (the parity tests pin it).
     dtype="auto" on a GPU: bf16 (fp16 for fp16 checkpoints and AWQ), Triton kernels.
@@ -46,8 +48,9 @@ class ComputePlan:
     def describe(self) -> str:
         if self.fused_cpu:
             return (
-                "CPU fast path: packed / bf16 weights, bf16 products with float32 sums, fused "
-                f"C++ kernels, {_name(self.kv_cache_dtype)} KV cache ({self.reason})"
+                "CPU fast path: packed weights x int8 activations, bf16 weights x bf16 "
+                f"activations, fused C++ kernels, {_name(self.kv_cache_dtype)} KV cache "
+                f"({self.reason})"
             )
         return (
             f"{_name(self.dtype)} activations, {_name(self.kv_cache_dtype)} KV cache, "
@@ -78,15 +81,17 @@ def cpu_has_bf16() -> bool:
 def cpu_fast_path_isa() -> str | None:
     """The instruction set the C++ fast path runs on here, or None when it would be slow.
 
-    AVX512-BF16 / AMX multiply bf16 natively; plain AVX-512 (F and BW, e.g. Cascade Lake)
-    runs the same products as float32 FMAs: the same sums, bitwise, in about twice the
-    instructions, still far faster than float32 weights, which read 4-8x the bytes.
+    AVX512-VNNI multiplies int8 activations by packed weights in one instruction per 64
+    products; without it (Skylake-SP) vpmaddubsw gives the same integer sums. AVX512-BF16 /
+    AMX multiply bf16 (dense weights) natively; plain AVX-512 (F and BW, e.g. Cascade Lake)
+    runs the same products as float32 FMAs: the same sums, bitwise.
     """
-    if cpu_has_bf16():
-        return "AVX512-BF16/AMX CPU"
-    if {"avx512f", "avx512bw"} <= _cpu_flags():
-        return "AVX-512 CPU, bf16 products as float32 FMAs"
-    return None
+    flags = _cpu_flags()
+    if not {"avx512f", "avx512bw"} <= flags:
+        return None
+    int8 = "VNNI" if "avx512_vnni" in flags else "no VNNI"
+    bf16 = "BF16" if cpu_has_bf16() else "bf16 as float32 FMAs"
+    return f"AVX-512 CPU: {int8}, {bf16}"
 
 
 def choose_plan(

@@ -3,7 +3,9 @@
 A GGUF file becomes a small Hugging Face folder in the pagedllm cache, made once: its
 config.json and tokenizer (read from the GGUF metadata by transformers) and `gguf.json`,
 which names the GGUF file. The weights stay in the GGUF file: each load reads them from
-there (memory-mapped), so there is no float32 copy on disk. Quantized tensors come out as
+there (memory-mapped), so there is no float32 copy on disk. Once a tensor has been taken,
+its pages of the mapping are handed back (they stay in the page cache, outside the
+process's resident memory), so a load never holds the file and the packed weights at once. Quantized tensors come out as
 `GGUFTensor`s, still in their blocks; the model's linear layers decide what to do with
 them: pack them for the C++ kernels (quant/gguf_blocks.py, exact), or dequantize them
 (`GGUFTensor.dense`) for the float32 reference path.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -188,6 +191,8 @@ class GGUFTensorInfo:
     type_name: str  # GGML type: F32, Q4_1, Q4_K, ...
     shape: tuple[int, ...]  # as GGUF lists it: innermost dimension first
     data: np.ndarray  # a view of the memory-mapped file: uint8 blocks, or the float values
+    offset: int = 0  # of the data in the file, in bytes
+    nbytes: int = 0
 
 
 @dataclass(slots=True)
@@ -198,6 +203,20 @@ class GGUFFile:
 
     metadata: dict[str, Any]
     tensors: list[GGUFTensorInfo]
+    mapping: mmap.mmap | None = None  # the file, read-only
+
+    def release(self, tensor: GGUFTensorInfo) -> None:
+        """Drop the resident pages of a tensor's bytes (after they have been copied).
+
+        The mapping is read-only and backed by the file, so a later read of the same bytes
+        (a view still held somewhere) simply faults them in again: this costs no
+        correctness, only the pages' place in this process's resident set."""
+        if self.mapping is None or tensor.nbytes == 0:
+            return
+        page = mmap.PAGESIZE
+        start = tensor.offset // page * page
+        end = -(-(tensor.offset + tensor.nbytes) // page) * page
+        self.mapping.madvise(mmap.MADV_DONTNEED, start, min(end, len(self.mapping)) - start)
 
 
 _SCALARS = {  # GGUF value type -> struct format
@@ -212,7 +231,9 @@ def read_gguf(path: Path) -> GGUFFile:
 
     import gguf
 
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    raw = np.frombuffer(mapping, dtype=np.uint8)
     buffer = memoryview(raw)
     offset = 0
 
@@ -268,15 +289,16 @@ def read_gguf(path: Path) -> GGUFFile:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         row_bytes = dims[0] // block * size
-        data = raw[start + data_offset : start + data_offset + rows * row_bytes]
+        begin = start + data_offset
+        data = raw[begin : begin + rows * row_bytes]
         if qtype.name in _FLOAT_TYPES:
             data = data.view(_FLOAT_TYPES[qtype.name])
         elif qtype.name == "BF16":
             data = data.view(np.uint16)
         else:
             data = data.reshape(rows, row_bytes)
-        tensors.append(GGUFTensorInfo(name, qtype.name, dims, data))
-    return GGUFFile(metadata, tensors)
+        tensors.append(GGUFTensorInfo(name, qtype.name, dims, data, begin, rows * row_bytes))
+    return GGUFFile(metadata, tensors, mapping)
 
 
 # ------------------------------------------------------------------ the weights
@@ -299,6 +321,7 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | GGUFTe
             if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
                 continue
             yield hf_name, value
+        gguf_file.release(tensor)
 
 
 def _tensor_value(tensor: GGUFTensorInfo) -> torch.Tensor | GGUFTensor:

@@ -102,7 +102,7 @@ class AWQLinear(nn.Module):
         self.cpu_kernel = (
             ("int4pack" if native_ok else "tiles") if cpu_kernel == "auto" else cpu_kernel
         )
-        self._packed = None  # PackedWeight, on the "packed" path
+        self._packed = None  # TiledWeight, on the "packed" path
         self._pending = {(part, s) for part in _AWQ_PARTS for s in range(len(output_sizes))}
         self._int4pack: torch.Tensor | None = None  # uint8 [N, K/2] (torch's own layout)
         self._scales_zeros: torch.Tensor | None = None  # float32 [K/G, N, 2]
@@ -131,9 +131,11 @@ class AWQLinear(nn.Module):
             if self.cpu_kernel == "int4pack":
                 self._repack_for_cpu()
             elif self.cpu_kernel == "packed":
-                self._packed = awq_to_packed(
-                    self.qweight, self.qzeros, self.scales, self.group_size
-                ).compact()
+                self._packed = (
+                    awq_to_packed(self.qweight, self.qzeros, self.scales, self.group_size)
+                    .compact()
+                    .tiled()
+                )
                 self.qweight = None
                 self.qzeros = None
                 self.scales = None

@@ -10,8 +10,12 @@
 
 The scales and mins are float32 so that every GGUF block type lands here with the exact
 values llama.cpp dequantizes it to (a K-quant's scale is its fp16 super-scale times a 6-bit
-integer: exact in float32, not in fp16 or bf16). The C++ kernels (kernels/csrc/cpu_ops.cpp)
-multiply packed weights directly; `dequantize` is their torch reference.
+integer: exact in float32, not in fp16 or bf16). `dequantize` is their torch reference.
+
+These row-major forms are what loading works with (stacking q, k and v, permuting rows,
+splitting shards). Once a linear's weight is complete it is repacked, exactly, into the
+`TiledWeight` the C++ kernels multiply by (kernels/csrc/linear_packed.cpp: 16 output rows
+per tile, 4 K values per 32-bit lane), and the row-major copy is dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 U4_GROUP = 32
+TILE_ROWS = 16  # output rows per tile of the kernels' layout
 
 
 @dataclass(slots=True)
@@ -116,6 +121,69 @@ class PackedWeight:
             self.group,
             self.shape,
         )
+
+    def tiled(self) -> TiledWeight:
+        """The same values in the kernels' tile layout (needs the C++ kernels loaded)."""
+        ops = torch.ops.pagedllm
+        tiles = ops.tile_u4(self.qweight) if self.kind == "u4" else ops.tile_i8(self.qweight)
+        mins = None if self.mins is None else _tile_lanes(self.mins)
+        return TiledWeight(self.kind, tiles, _tile_lanes(self.scales), mins, self.group, self.shape)
+
+
+def _tile_lanes(values: torch.Tensor) -> torch.Tensor:
+    """Per-row group values [N, G] -> [ceil(N/16), G, 16] (rows padded with zeros)."""
+    n, groups = values.shape
+    tiles = -(-n // TILE_ROWS)
+    padded = values.new_zeros(tiles * TILE_ROWS, groups)
+    padded[:n] = values
+    return padded.view(tiles, TILE_ROWS, groups).transpose(1, 2).contiguous()
+
+
+@dataclass(slots=True)
+class TiledWeight:
+    """A packed [N, K] weight in the layout of the C++ kernels (kernels/csrc/linear_packed.cpp).
+
+        u4  tiles uint8 [T, K/32, 4, 64]    T = ceil(N / 16) tiles of 16 output rows
+        i8  tiles uint8 [T, K/4, 64]        q + 128
+        scales, mins [T, K/G, 16]           float32 or float16, as the PackedWeight had them
+
+    The values are those of the PackedWeight it came from, exactly (`dequantize`)."""
+
+    kind: str  # "u4" | "i8"
+    tiles: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group: int
+    shape: tuple[int, int]  # (N, K)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.tiles, self.scales] + ([self.mins] if self.mins is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> x @ W^T [M, N] float32, with int8 activations (the kernels'
+        recipe: llama.cpp's Q8 blocks of 32, exact integer dot products per weight group)."""
+        ops = torch.ops.pagedllm
+        mins = self.mins if self.mins is not None else _EMPTY
+        if self.kind == "u4":
+            return ops.u4_tiled_linear(x, self.tiles, self.scales, mins, self.shape[0])
+        return ops.i8_tiled_linear(x, self.tiles, self.scales, mins, self.group, self.shape[0])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [*] of W as float32 [*, K] (an embedding lookup)."""
+        mins = self.mins if self.mins is not None else _EMPTY
+        n, k = self.shape
+        return torch.ops.pagedllm.tiled_rows(
+            ids, self.tiles, self.scales, mins, self.group, n, k, self.kind == "u4"
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight [N, K] (float32 values fma(q, scale, min), then cast)."""
+        return self.rows(torch.arange(self.shape[0])).to(dtype)
+
+
+_EMPTY = torch.empty(0)
 
 
 def cat_rows(weights: list[PackedWeight]) -> PackedWeight:

@@ -2,9 +2,13 @@
 
     x [M, K] float32 -> y [M, N] float32
 
-Weights are dequantized exactly and rounded to bf16, activations rounded to bf16, products
-summed in float32 (kernels/csrc/cpu_ops.cpp). Every batch size runs the same arithmetic
-in the same order, so a request's outputs do not depend on what shares its step.
+Packed weights (GGUF, AWQ) are held in the kernels' tile layout (`TiledWeight`) and
+multiplied with int8 activations: each row of x is quantized in blocks of 32 (llama.cpp's
+Q8 activations), each weight group's integer dot product is exact (VNNI), and scales apply
+in float32 (kernels/csrc/linear_packed.cpp). Dense weights are held in bf16 and multiplied
+with bf16 activations into float32 sums (kernels/csrc/linear_bf16.cpp). Every batch size
+runs the same arithmetic in the same order, so a request's outputs do not depend on what
+shares its step.
 """
 
 from __future__ import annotations
@@ -13,36 +17,29 @@ import torch
 from torch import nn
 
 from ..engine.gguf_loader import GGUFTensor
-from .packed import PackedWeight, cat_rows
+from .packed import PackedWeight, TiledWeight, cat_rows
 
-_EMPTY = torch.empty(0)
+KernelWeight = TiledWeight | torch.Tensor  # what the fast path's kernels multiply by
 
 
-def packed_matmul(x: torch.Tensor, weight: PackedWeight | torch.Tensor) -> torch.Tensor:
+def packed_matmul(x: torch.Tensor, weight: KernelWeight) -> torch.Tensor:
     """x [M, K] float32 @ weight [N, K]^T -> [M, N] float32.
 
-    weight: a PackedWeight, or a dense bf16 [N, K] tensor."""
-    ops = torch.ops.pagedllm
+    weight: a TiledWeight, or a dense bf16 [N, K] tensor."""
     if isinstance(weight, torch.Tensor):
-        return ops.bf16_linear(x, weight)
-    if weight.kind == "u4":
-        return ops.u4_linear(x, weight.qweight, weight.scales, weight.mins)
-    mins = weight.mins if weight.mins is not None else _EMPTY
-    return ops.i8_linear(x, weight.qweight, weight.scales, mins, weight.group)
+        return torch.ops.pagedllm.bf16_linear(x, weight)
+    return weight.matmul(x)
 
 
-def dequantize_bf16(weight: PackedWeight) -> torch.Tensor:
-    """The bf16 [N, K] values the kernels multiply by."""
-    ops = torch.ops.pagedllm
-    if weight.kind == "u4":
-        return ops.u4_dequant_bf16(weight.qweight, weight.scales, weight.mins)
-    mins = weight.mins if weight.mins is not None else _EMPTY
-    return ops.i8_dequant_bf16(weight.qweight, weight.scales, mins, weight.group)
+def kernel_weight(weight: PackedWeight | torch.Tensor) -> KernelWeight:
+    """A complete weight in the form the kernels take: packed ones tiled, dense ones as they are."""
+    return weight.tiled() if isinstance(weight, PackedWeight) else weight
 
 
 def to_fast_weight(value: torch.Tensor | GGUFTensor) -> PackedWeight | torch.Tensor:
-    """A checkpoint tensor in the form the kernels take: GGUF blocks packed exactly where a
-    packed format exists, everything else a dense bf16 tensor."""
+    """A checkpoint tensor as the fast path loads it: GGUF blocks packed exactly where a
+    packed format exists (a PackedWeight, tiled by `kernel_weight` once its linear is
+    complete), everything else a dense bf16 tensor."""
     from .gguf_blocks import PACKED_TYPES, to_packed
 
     if isinstance(value, GGUFTensor):
@@ -62,7 +59,7 @@ class PackedStackedLinear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.out_features = sum(output_sizes)
         self.shards: list[PackedWeight | torch.Tensor | None] = [None] * len(output_sizes)
-        self.weight: PackedWeight | torch.Tensor | None = None  # the stack, once complete
+        self.weight: KernelWeight | None = None  # the stack, tiled for the kernels, once complete
         self.bias = torch.zeros(self.out_features) if bias else None
         self._offsets = [0]
         for size in output_sizes:
@@ -85,7 +82,7 @@ class PackedStackedLinear(nn.Module):
             )
         self.shards[shard] = to_fast_weight(tensor)
         if all(s is not None for s in self.shards):
-            self.weight = _stack([s for s in self.shards if s is not None])
+            self.weight = kernel_weight(_stack([s for s in self.shards if s is not None]))
             self.shards = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +93,7 @@ class PackedStackedLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         w = self.weight
-        if isinstance(w, PackedWeight):
+        if isinstance(w, TiledWeight):
             return w.nbytes
         return 0 if w is None else w.numel() * w.element_size()
 

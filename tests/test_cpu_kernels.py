@@ -1,9 +1,12 @@
-"""The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) against their torch references.
+"""The C++ CPU kernels (kernels/csrc/) against their torch references.
 
-Linears: the packed kernels equal bf16(x) @ bf16(W)^T summed in float64 up to float32
-rounding, and give bitwise the same rows whatever the batch size. Fused ops: RMSNorm (with
-and without the residual add), rotary, gated activations, KV cache writes and paged
-attention against the torch code they replace, over grids of shapes.
+Packed linears: the tiles hold the PackedWeight's values exactly; a product equals, up to
+float32 rounding, float64 math on the int8-quantized activations (blocks of 32, as
+llama.cpp's Q8) times the exact weights, and gives bitwise the same rows whatever the batch
+size or thread count. Dense bf16 linears: bf16(x) @ W^T summed in float64 up to float32
+rounding, batch-invariant too. Fused ops: RMSNorm (with and without the residual add),
+rotary, gated activations, KV cache writes and paged attention against the torch code they
+replace, over grids of shapes.
 """
 
 from __future__ import annotations
@@ -43,24 +46,70 @@ def weights(n: int, k: int) -> list[PackedWeight]:
     return [u4, fp16_exact, random_i8(n, k, 32, False, 2), random_i8(n, k, 16, True, 3)]
 
 
+def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8 blocks of 16 (llama.cpp's Q8 activations, in half the block): d = amax / 127,
+    q = round-half-even(x * 127 / amax), and each block's sum of q."""
+    m, k = x.shape
+    blocks = x.view(m, k // 16, 16)
+    amax = blocks.abs().amax(-1)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse[..., None]).clamp(-127, 127)  # torch.round: half to even
+    return q.view(m, k).to(torch.int8), amax / 127.0, q.sum(-1).int()
+
+
+def test_activation_quantization_is_llama_cpp_q8():
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(5)) * 3
+    x[2, :16] = 0.0  # an all-zero block
+    x[3, 5] = 1e4  # an outlier owns its block's scale
+    qx, d, sums = ops().quantize_activations(x)
+    ref_q, ref_d, ref_sums = quantize_reference(x)
+    assert torch.equal(qx, ref_q) and torch.equal(d, ref_d) and torch.equal(sums, ref_sums)
+
+
+def reference_product(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """float64 (dequantized int8 activations) @ (exact weights)^T."""
+    q, d, _ = quantize_reference(x)
+    m, k = x.shape
+    xd = (q.double().view(m, k // 16, 16) * d.double()[..., None]).view(m, k)
+    return xd @ weight.dequantize().double().t()
+
+
 @pytest.mark.parametrize("n,k", [(40, 64), (37, 96), (130, 512)])
-def test_packed_linears_match_bf16_math_and_are_batch_invariant(n, k):
-    from pagedllm_integrations.quant.packed_linear import dequantize_bf16, packed_matmul
+def test_packed_linears_match_int8_recipe_and_are_batch_invariant(n, k):
+    from pagedllm_integrations.quant.packed_linear import kernel_weight, packed_matmul
 
     x = torch.randn(23, k, generator=torch.Generator().manual_seed(4))
-    for weight in weights(n, k):
-        dense = dequantize_bf16(weight)
-        assert torch.equal(dense, weight.dequantize().to(torch.bfloat16))  # exact, then bf16
-        full = packed_matmul(x, weight)
-        expected = x.bfloat16().double() @ dense.double().t()
+    extra = [random_i8(n, k, 32, True, 6), random_i8(n, k, 16, False, 7)]
+    for weight in [*weights(n, k), *extra]:
+        tiled = kernel_weight(weight)
+        assert torch.equal(tiled.dequantize(), weight.dequantize())  # tiling is exact
+        full = packed_matmul(x, tiled)
+        expected = reference_product(x, weight)
         scale = expected.abs().max().item()
-        assert (full.double() - expected).abs().max().item() <= 2e-6 * scale
+        assert (full.double() - expected).abs().max().item() <= 2e-6 * scale, weight.kind
         for m in (1, 2, 3, 4, 5, 8, 9, 17):  # every kernel path: the same bits per row
-            assert torch.equal(packed_matmul(x[:m], weight), full[:m]), (weight.kind, m)
-        # ... and a row's result does not depend on the rows around it
-        assert torch.equal(packed_matmul(x[5:7], weight), full[5:7])
-        # a dense bf16 weight goes through the same recipe
-        assert torch.equal(packed_matmul(x, dense), full)
+            assert torch.equal(packed_matmul(x[:m], tiled), full[:m]), (weight.kind, m)
+        # ... and a row's result depends neither on the rows around it nor on the threads
+        assert torch.equal(packed_matmul(x[5:7], tiled), full[5:7])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(packed_matmul(x, tiled), full)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n,k", [(40, 64), (37, 96)])
+def test_dense_bf16_linear_matches_bf16_math_and_is_batch_invariant(n, k):
+    from pagedllm_integrations.quant.packed_linear import packed_matmul
+
+    x = torch.randn(23, k, generator=torch.Generator().manual_seed(8))
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    full = packed_matmul(x, dense)
+    expected = x.bfloat16().double() @ dense.double().t()
+    assert (full.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
+    for m in (1, 2, 3, 4, 5, 17):
+        assert torch.equal(packed_matmul(x[:m], dense), full[:m]), m
 
 
 def test_compact_scales_are_float16_only_when_exact():
@@ -74,14 +123,13 @@ def test_compact_scales_are_float16_only_when_exact():
     assert torch.equal(small.dequantize(), exact.dequantize())
 
 
-def test_i8_embedding_rows_are_exact():
-    for weight in weights(50, 64)[2:]:
-        ids = torch.tensor([0, 7, 49, 7])
-        mins = weight.mins if weight.mins is not None else torch.empty(0)
-        rows = ops().i8_embedding(ids, weight.qweight, weight.scales, mins, weight.group)
-        assert torch.equal(rows, weight.dequantize()[ids])
+def test_tiled_rows_are_exact():
+    for weight in weights(50, 64):
+        tiled = weight.tiled()
+        ids = torch.tensor([[0, 7], [49, 7]])
+        assert torch.equal(tiled.rows(ids), weight.dequantize()[ids])
     with pytest.raises(RuntimeError, match="outside the table"):
-        ops().i8_embedding(torch.tensor([50]), weight.qweight, weight.scales, mins, weight.group)
+        tiled.rows(torch.tensor([50]))
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 576), (33, 96)])

@@ -70,7 +70,7 @@ GGUF_EXPRESSIBLE = {"qwen3_moe": dict(mlp_only_layers=[]), "gemma2": dict(query_
 def test_quantized_gguf_stays_packed_on_the_fast_path(kind, tmp_path, monkeypatch):
     """A Q8_0 GGUF: experts cut per expert and Phi-3's fused qkv / gate_up cut per shard
     by whole rows of blocks, held packed; the float32 path dequantizes the same file."""
-    from pagedllm_integrations.quant.packed import PackedWeight
+    from pagedllm_integrations.quant.packed import TiledWeight
     from pagedllm_integrations.quant.packed_linear import PackedStackedLinear
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
@@ -82,7 +82,7 @@ def test_quantized_gguf_stays_packed_on_the_fast_path(kind, tmp_path, monkeypatc
         linears = [
             m for m in fast.engine.engine.model.modules() if isinstance(m, PackedStackedLinear)
         ]
-        assert linears and all(isinstance(m.weight, PackedWeight) for m in linears)
+        assert linears and all(isinstance(m.weight, TiledWeight) for m in linears)
         first = fast.generate(prompts, FIRST, use_tqdm=False)
     with LLM(str(gguf_file), dtype="float32", **settings) as reference:
         _assert_close_to_float32(first, reference.generate(prompts, FIRST, use_tqdm=False))

@@ -40,17 +40,18 @@ def test_default_is_the_fast_path_and_float32_is_the_reference(default_llm, defa
 
 def test_gguf_weights_stay_packed(default_llm):
     """SmolLM2's Q4_1 linears and Q8_0 embedding are held packed: ~100 MB, not the 540 MB of
-    float32 (or 270 MB of bf16) a dequantized copy would take."""
-    from pagedllm_integrations.quant.packed import PackedWeight
+    float32 (or 270 MB of bf16) a dequantized copy would take; in the kernels' tile layout,
+    with no row-major copy left."""
+    from pagedllm_integrations.quant.packed import TiledWeight
     from pagedllm_integrations.quant.packed_linear import PackedStackedLinear
 
     model = default_llm.engine.engine.model
     linears = [m for m in model.modules() if isinstance(m, PackedStackedLinear)]
-    assert linears and all(isinstance(m.weight, PackedWeight) for m in linears)
+    assert linears and all(isinstance(m.weight, TiledWeight) for m in linears)
     assert {m.weight.kind for m in linears} == {"u4"}
     assert all(m.weight.scales.dtype == torch.float16 for m in linears)  # exact for Q4_1
     table = model.embed_tokens.fast_weight
-    assert isinstance(table, PackedWeight) and table.kind == "i8"  # Q8_0, tied to the head
+    assert isinstance(table, TiledWeight) and table.kind == "i8"  # Q8_0, tied to the head
     held = sum(m.weight_bytes() for m in linears) + table.nbytes
     assert held < 110 * 2**20, held
     float_tensors = [p for p in model.parameters() if p.dtype == torch.float32]
@@ -71,18 +72,22 @@ def test_tokens_do_not_depend_on_batching_caching_or_chunking(default_llm):
 
 
 def test_fast_path_logits_are_close_to_float32(default_llm, default_llm_f32):
-    """Same weights (exact packed values), bf16 products: log-probabilities agree to ~0.1."""
+    """Same weights (exact packed values), int8 activations in blocks of 16: the first
+    token's log-probabilities agree with float32's to ~0.06 on average (0.21 at most on
+    these prompts; the perplexity cost is in BENCHMARKS.md)."""
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     fast = default_llm.generate(PROMPTS, params, use_tqdm=False)
     reference = default_llm_f32.generate(PROMPTS, params, use_tqdm=False)
+    differences = []
     for f, r in zip(fast, reference):
         # the first generated token comes from the same prompt: compare its distribution
         f_top, r_top = f.outputs[0].logprobs[0], r.outputs[0].logprobs[0]
         assert f.outputs[0].token_ids[0] == r.outputs[0].token_ids[0]
         shared = set(f_top) & set(r_top)
         assert len(shared) >= 4
-        for token in shared:
-            assert abs(f_top[token].logprob - r_top[token].logprob) < 0.15
+        differences += [abs(f_top[t].logprob - r_top[t].logprob) for t in shared]
+    assert max(differences) < 0.3
+    assert sum(differences) / len(differences) < 0.1
 
 
 def test_dense_checkpoint_runs_in_bf16_close_to_float32(tiny_llama_dir):

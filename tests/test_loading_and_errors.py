@@ -72,6 +72,29 @@ def test_gguf_conversion_is_cached_and_the_second_load_is_fast(default_model_fol
     assert time.perf_counter() - started < 1.0  # a stat and a path check, no conversion
 
 
+def test_gguf_folder_tokenizer_is_the_one_autotokenizer_gives(default_model_folder):
+    """A GGUF folder's generic tokenizer is loaded without AutoTokenizer's detour through
+    AutoConfig; it is the same tokenizer: ids, decoding, special tokens, chat template."""
+    from transformers import AutoTokenizer
+
+    from pagedllm_integrations.engine.model_loader import load_tokenizer
+
+    ours, auto = (
+        load_tokenizer(default_model_folder),
+        AutoTokenizer.from_pretrained(str(default_model_folder)),
+    )
+    assert type(ours) is type(auto)
+    for text in ["Hello world", "<|im_start|>user\nhi<|im_end|>", "naïve café 你好 🙂", " \n\t x"]:
+        assert ours(text).input_ids == auto(text).input_ids
+        assert ours.decode(ours(text).input_ids) == auto.decode(auto(text).input_ids)
+    assert ours.all_special_tokens == auto.all_special_tokens
+    assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    ) == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
 @pytest.mark.parametrize(
     "rope",
     [

@@ -61,7 +61,7 @@ def test_the_wheel_holds_every_module_of_the_source_tree(wheel):
     assert {r for r in roots if not r.endswith(".dist-info")} == {"pagedllm_integrations"}
     assert any(n.startswith("pagedllm_integrations/quant/data/") for n in names)
     # the C++ sources of the CPU kernels, compiled on the user's machine at first use
-    for source in ("ops.cpp", "linear.cpp", "attention.cpp", "common.h"):
+    for source in ("ops.cpp", "linear_bf16.cpp", "linear_packed.cpp", "attention.cpp", "common.h"):
         assert f"pagedllm_integrations/kernels/csrc/{source}" in names
     assert "pagedllm_integrations/py.typed" in names
 

@@ -251,8 +251,9 @@ class VocabEmbedding(nn.Module):
     """The token embedding table [vocab, hidden].
 
     On the CPU fast path (`fused`) the table is kept as the checkpoint gives it: a packed
-    quantized GGUF table stays packed (rows are dequantized as they are looked up) and a
-    float one is held in bf16; no float32 copy is made. Output: [T, hidden] in `dtype`.
+    quantized GGUF table stays packed, in the kernels' tile layout, so that a tied LM head
+    multiplies by the same bytes (rows are dequantized as they are looked up), and a float
+    one is held in bf16; no float32 copy is made. Output: [T, hidden] in `dtype`.
     """
 
     def __init__(
@@ -263,7 +264,7 @@ class VocabEmbedding(nn.Module):
         self.dtype = dtype
         self.shape = (vocab, hidden)
         self.weight: torch.Tensor | None = None
-        self.fast_weight: Any = None  # PackedWeight or bf16 tensor, on the fast path
+        self.fast_weight: Any = None  # TiledWeight or bf16 tensor, on the fast path
         if not fused:
             self.weight = nn.Parameter(
                 torch.empty(vocab, hidden, dtype=dtype, device=device), requires_grad=False
@@ -275,9 +276,9 @@ class VocabEmbedding(nn.Module):
         if tuple(tensor.shape) != self.shape:
             raise ValueError(f"embedding: checkpoint shape {tuple(tensor.shape)} != {self.shape}")
         if self.fused:
-            from ...quant.packed_linear import to_fast_weight
+            from ...quant.packed_linear import kernel_weight, to_fast_weight
 
-            self.fast_weight = to_fast_weight(tensor)
+            self.fast_weight = kernel_weight(to_fast_weight(tensor))
         else:
             assert self.weight is not None
             self.weight.data.copy_(as_dense(tensor, self.dtype))
@@ -288,14 +289,7 @@ class VocabEmbedding(nn.Module):
         table = self.fast_weight
         if isinstance(table, torch.Tensor):
             return F.embedding(input_ids, table).to(self.dtype)
-        if table.kind == "i8":
-            mins = table.mins if table.mins is not None else torch.empty(0)
-            return (
-                _fused_ops()
-                .i8_embedding(input_ids, table.qweight, table.scales, mins, table.group)
-                .to(self.dtype)
-            )
-        return table.rows_of(input_ids).dequantize(self.dtype)
+        return table.rows(input_ids).to(self.dtype)
 
 
 class LMHead(nn.Module):

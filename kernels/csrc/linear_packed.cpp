@@ -1,0 +1,499 @@
+// Linears over packed quantized weights (GGUF, AWQ): int8 activations, VNNI dot products.
+//
+// The recipe, for y[m, n] = sum_k w[n, k] x[m, k] with w[n, k] = s[n, g] * q[n, k] + mn[n, g]:
+//
+//   1. Each row of x is quantized in blocks of 16 along K (llama.cpp's Q8 activations use
+//      32; 16 halves the reach of an outlier channel, for a few percent more time):
+//        d[m, b] = max|x[m, 16b : 16b + 16]| / 127,  qx = round-half-even(x * 127 / max)
+//      (qx in -127..127), and xs[m, b] = sum of qx over block b.
+//   2. For every weight group g (16 or 32 values of K), in K order, for each activation
+//      block b of the group, in order:
+//        isum = sum_{k in b} q[n, k] * qx[m, k]                int32, exact (vpdpbusd)
+//        acc  = fma(float(isum), s[n, g] * d[m, b], acc)
+//      then, for formats with mins, with md = d[m, b0] * xs[m, b0] (+ d[m, b1] * xs[m, b1],
+//      one fma) over the group's blocks:
+//        acc  = fma(mn[n, g], md, acc)
+//      y[m, n] = acc.
+//
+// The integer sums are exact, and every kernel below runs the same float32 operations in
+// the same order for an output element, whatever the batch size or the thread split: a
+// request's tokens never depend on what shares its step (batch invariance, which the
+// prefix cache, chunked prefill and speculative decoding rely on).
+//
+// Weights are repacked once at load into tiles of 16 output rows, so that one 512-bit
+// vpdpbusd multiplies 4 consecutive K values of 16 rows by 4 broadcast activation bytes:
+//
+//   u4  q in 0..15 (Q4_0, Q4_1, Q4_K, AWQ); groups of 32
+//       tiles uint8 [T, K/32, 4, 64]: in group g, vector p (0..3), byte 4r + j holds
+//       q[16t + r, 32g + 4p + j] in its low nibble and q[16t + r, 32g + 4(p + 4) + j] in
+//       its high nibble
+//   i8  q in -128..127 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K); groups of 16 or 32
+//       tiles uint8 [T, K/4, 64]: vector p, byte 4r + j holds q[16t + r, 4p + j] + 128
+//       (vpdpbusd takes unsigned weights; the 128 * sum(qx) it adds is subtracted)
+//   scales, mins [T, K/G, 16] float32 (or float16 where every value is exact there):
+//       element [t, g, r] belongs to row 16t + r.
+//   T = ceil(N / 16); rows beyond N are zero.
+//
+// Shapes at the boundary: x float32 [M, K] -> y float32 [M, N]; K a multiple of 32.
+
+#include "common.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kTile = 16;       // output rows per tile: the 16 lanes of a vector
+constexpr int64_t kBlock = 16;      // activation quantization block along K
+constexpr int64_t kRowChunk = 64;   // x rows whose quantized copy is reused across tiles
+
+template <typename S>
+inline float scalar_of(S v) {
+  return static_cast<float>(v);
+}
+
+// ------------------------------------------------------------ activations
+struct QuantizedRows {
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, K/16] block scales
+  const int32_t* xs;   // [M, K/16] sums of q over each block
+  int64_t k;
+};
+
+// One row of x (K floats) -> its int8 blocks. The only place activations are quantized.
+inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* xs) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* src = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(src[i]));
+    d[b] = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      // nearbyint: round half to even (the default rounding mode), as cvtps2dq does.
+      const int32_t v = static_cast<int32_t>(std::nearbyint(src[i] * inv));
+      const int32_t c = std::min(127, std::max(-127, v));
+      q[b * kBlock + i] = static_cast<int8_t>(c);
+      sum += c;
+    }
+    xs[b] = sum;
+  }
+}
+
+#ifdef PAGEDLLM_AVX512
+inline void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* d, int32_t* xs) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i bound = _mm512_set1_epi32(127), neg_bound = _mm512_set1_epi32(-127);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m512 v = _mm512_loadu_ps(x + b * kBlock);
+    const float amax = _mm512_reduce_max_ps(_mm512_and_ps(v, sign_off));
+    d[b] = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    // cvtps2dq rounds half to even; |x * inv| <= 127 up to rounding, clamped anyway.
+    __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+    qv = _mm512_max_epi32(_mm512_min_epi32(qv, bound), neg_bound);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(qv));
+    xs[b] = _mm512_reduce_add_epi32(qv);
+  }
+}
+#endif
+
+// x [M, K] float32 -> quantized rows in buffers kept by the calling thread.
+QuantizedRows quantize_activations(const Tensor& x) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> xs;
+  const int64_t m = x.size(0), k = x.size(1);
+  q.resize(m * k);
+  d.resize(m * (k / kBlock));
+  xs.resize(m * (k / kBlock));
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data();
+  float* dp = d.data();
+  int32_t* sp = xs.data();
+  at::parallel_for(0, m, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#ifdef PAGEDLLM_AVX512
+      quantize_row_avx512(xp + r * k, k, qp + r * k, dp + r * (k / kBlock), sp + r * (k / kBlock));
+#else
+      quantize_row(xp + r * k, k, qp + r * k, dp + r * (k / kBlock), sp + r * (k / kBlock));
+#endif
+    }
+  });
+  return {qp, dp, sp, k};
+}
+
+// ------------------------------------------------------------------ formats
+// A tile's view of one format: where group g's bytes start, and how many 64-byte vectors
+// it spans. Both formats hold 16 rows x 4 K values per vector.
+enum class Format { kU4, kI8 };
+
+struct TileData {
+  const uint8_t* bytes;  // this tile's first byte
+  const void* scales;    // [K/G, 16]
+  const void* mins;      // [K/G, 16] or null
+};
+
+#ifdef PAGEDLLM_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc[l] += sum over j < 4 of w[4l + j] * x[4l + j] (w unsigned bytes, x signed), exactly.
+// kSmall: every w < 16 (u4), so one vpmaddubsw pair sum cannot saturate.
+template <bool kSmall>
+inline __m512i dot_u8s8(__m512i acc, __m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, w, x);
+#else
+  // AVX-512 without VNNI: vpmaddubsw + vpmaddwd. A pair sum of bytes up to 255 could
+  // saturate int16, so full bytes are split into nibbles (w = 16 hi + lo) first.
+  const __m512i ones = _mm512_set1_epi16(1);
+  if constexpr (kSmall) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones));
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i lo = _mm512_and_si512(w, nibble);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+    const __m512i sum_lo = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, x), ones);
+    const __m512i sum_hi = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, x), _mm512_set1_epi16(16));
+    return _mm512_add_epi32(acc, _mm512_add_epi32(sum_lo, sum_hi));
+  }
+#endif
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+#endif
+
+// The float32 steps that follow a group's exact integer sums, for one output element (or
+// 16 of them, lane-wise): the same order in the vector and the scalar code.
+//   acc = fma(float(isum[h]), s * d[h], acc)      for each block h of the group, in order
+//   acc = fma(mn, md, acc)                        md = d[0] xs[0] (+ d[1] xs[1]), with mins
+inline float group_min_scale(const float* d, const int32_t* xs, int64_t blocks) {
+  const float first = d[0] * static_cast<float>(xs[0]);
+  return blocks == 1 ? first : std::fma(d[1], static_cast<float>(xs[1]), first);
+}
+
+#ifdef PAGEDLLM_AVX512
+// MR rows of x (starting at row r0) against one tile: out[r, 0..lanes) for r < MR.
+// G (the weight group) and MR are template arguments so that every index into the
+// accumulator arrays is a constant and they live in registers.
+template <Format F, int G, int MR, typename S>
+inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
+                      int64_t out_stride, int64_t lanes) {
+  constexpr int64_t group = G, blocks = G / kBlock;  // activation blocks per group: 1 or 2
+  const int64_t k = x.k, groups = k / group;
+  const S* scales = static_cast<const S*>(tile.scales);
+  const S* mins = static_cast<const S*>(tile.mins);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i isum[MR][2];  // per activation block of the group
+    for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+    const int64_t k0 = g * group;
+    if constexpr (F == Format::kU4) {
+      // low nibbles: K 0..15 of the group (block 0); high nibbles: K 16..31 (block 1)
+      const uint8_t* w = tile.bytes + g * 256;
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(w + p * 64);
+        const __m512i lo = _mm512_and_si512(v, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xr = x.q + (r0 + r) * k + k0;
+          isum[r][0] = dot_u8s8<true>(isum[r][0], lo, broadcast4(xr + 4 * p));
+          isum[r][1] = dot_u8s8<true>(isum[r][1], hi, broadcast4(xr + 4 * p + 16));
+        }
+      }
+    } else {
+      const uint8_t* w = tile.bytes + k0 * 16;  // 64 bytes per 4 K values
+      for (int h = 0; h < blocks; ++h) {
+        for (int p = 4 * h; p < 4 * h + 4; ++p) {
+          const __m512i v = _mm512_loadu_si512(w + p * 64);
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* xr = x.q + (r0 + r) * k + k0;
+            isum[r][h] = dot_u8s8<false>(isum[r][h], v, broadcast4(xr + 4 * p));
+          }
+        }
+      }
+    }
+    const __m512 s = load16(scales + g * kTile);
+    __m512 mn = _mm512_setzero_ps();
+    if (mins != nullptr) mn = load16(mins + g * kTile);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (r0 + r) * (k / kBlock) + k0 / kBlock;
+      const float* d = x.d + at;
+      const int32_t* xs = x.xs + at;
+      for (int h = 0; h < blocks; ++h) {
+        __m512i exact = isum[r][h];
+        if constexpr (F == Format::kI8) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(128 * xs[h]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(s, _mm512_set1_ps(d[h])),
+                                 acc[r]);
+      }
+      if (mins != nullptr)
+        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(group_min_scale(d, xs, blocks)), acc[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * out_stride, mask, acc[r]);
+}
+#else
+// Without AVX-512: the same recipe, one output element at a time (slow; the engine only
+// takes the fast path on AVX-512 CPUs).
+template <Format F, int G, int MR, typename S>
+inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
+                      int64_t out_stride, int64_t lanes) {
+  constexpr int64_t group = G, blocks = G / kBlock;
+  const int64_t k = x.k, groups = k / group;
+  const S* scales = static_cast<const S*>(tile.scales);
+  const S* mins = static_cast<const S*>(tile.mins);
+  for (int r = 0; r < MR; ++r) {
+    const int64_t row = r0 + r;
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * group, at = row * (k / kBlock) + k0 / kBlock;
+        const float s = scalar_of(scales[g * kTile + lane]);
+        for (int64_t h = 0; h < blocks; ++h) {
+          int32_t isum = 0;
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const int64_t kk = k0 + h * kBlock + i;
+            int32_t q;
+            if constexpr (F == Format::kU4) {
+              const int64_t in_group = kk % 32, p = (in_group % 16) / 4, j = in_group % 4;
+              const uint8_t byte = tile.bytes[(kk / 32) * 256 + p * 64 + lane * 4 + j];
+              q = in_group < 16 ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              q = static_cast<int32_t>(tile.bytes[(kk / 4) * 64 + lane * 4 + kk % 4]) - 128;
+            }
+            isum += q * x.q[row * k + kk];
+          }
+          acc = std::fma(static_cast<float>(isum), s * x.d[at + h], acc);
+        }
+        if (mins != nullptr)
+          acc = std::fma(scalar_of(mins[g * kTile + lane]),
+                         group_min_scale(x.d + at, x.xs + at, blocks), acc);
+      }
+      out[r * out_stride + lane] = acc;
+    }
+  }
+}
+#endif
+
+template <Format F, int G, typename S>
+void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const Tensor& scales,
+                  const Tensor& mins, int64_t n, float* out) {
+  const int64_t k = x.k, num_tiles = tiles.size(0), groups = k / G;
+  const int64_t tile_bytes = tiles.numel() / num_tiles;
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  const S* sp = scales.data_ptr<S>();
+  const S* mp = mins.numel() > 0 ? mins.data_ptr<S>() : nullptr;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
+      const int64_t c1 = std::min(m, c0 + kRowChunk);
+      for (int64_t t = begin; t < end; ++t) {
+        const TileData tile{tp + t * tile_bytes, sp + t * groups * kTile,
+                            mp != nullptr ? mp + t * groups * kTile : nullptr};
+        const int64_t lanes = std::min(kTile, n - t * kTile);
+        float* o = out + t * kTile;
+        int64_t r = c0;
+        for (; r + 4 <= c1; r += 4) tile_rows<F, G, 4, S>(tile, x, r, o + r * n, n, lanes);
+        switch (c1 - r) {
+          case 3: tile_rows<F, G, 3, S>(tile, x, r, o + r * n, n, lanes); break;
+          case 2: tile_rows<F, G, 2, S>(tile, x, r, o + r * n, n, lanes); break;
+          case 1: tile_rows<F, G, 1, S>(tile, x, r, o + r * n, n, lanes); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+void check_tiles(const Tensor& tiles, const Tensor& scales, const Tensor& mins, int64_t n,
+                 int64_t k, int64_t group, Format format) {
+  check_cpu_contiguous(tiles, "tiles");
+  check_cpu_contiguous(scales, "scales");
+  TORCH_CHECK(tiles.scalar_type() == at::kByte, "tiles must be uint8");
+  TORCH_CHECK(k % 32 == 0, "K must be a multiple of 32, got ", k);
+  TORCH_CHECK(group == 16 || group == 32, "groups must be 16 or 32 values, got ", group);
+  TORCH_CHECK(format == Format::kI8 || group == 32, "u4 groups are 32 values");
+  const int64_t num_tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(tiles.size(0) == num_tiles && tiles.numel() == num_tiles * k * kTile /
+                  (format == Format::kU4 ? 2 : 1), "tiles do not hold [", n, ", ", k, "]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
+              "scales must be float32 or float16");
+  TORCH_CHECK(scales.numel() == num_tiles * (k / group) * kTile, "scales must be [T, K/G, 16]");
+  TORCH_CHECK(mins.numel() == 0 || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
+                                    mins.scalar_type() == scales.scalar_type()),
+              "mins must be empty or shaped and typed like scales");
+  TORCH_CHECK(format == Format::kI8 || mins.numel() > 0, "u4 weights need mins");
+}
+
+// x [M, K] float32 -> y [M, N] float32
+Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor& scales,
+                          const Tensor& mins, int64_t group, int64_t n, Format format) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  check_tiles(tiles, scales, mins, n, k, group, format);
+  Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const QuantizedRows qx = quantize_activations(x);
+  float* op = out.data_ptr<float>();
+  const bool half = scales.scalar_type() == at::kHalf;
+  if (format == Format::kU4) {
+    if (half) tiled_matmul<Format::kU4, 32, at::Half>(qx, m, tiles, scales, mins, n, op);
+    else tiled_matmul<Format::kU4, 32, float>(qx, m, tiles, scales, mins, n, op);
+  } else if (group == 32) {
+    if (half) tiled_matmul<Format::kI8, 32, at::Half>(qx, m, tiles, scales, mins, n, op);
+    else tiled_matmul<Format::kI8, 32, float>(qx, m, tiles, scales, mins, n, op);
+  } else {
+    if (half) tiled_matmul<Format::kI8, 16, at::Half>(qx, m, tiles, scales, mins, n, op);
+    else tiled_matmul<Format::kI8, 16, float>(qx, m, tiles, scales, mins, n, op);
+  }
+  return out;
+}
+
+Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
+                       const Tensor& mins, int64_t n) {
+  return packed_linear_impl(x, tiles, scales, mins, 32, n, Format::kU4);
+}
+
+Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
+                       const Tensor& mins, int64_t group, int64_t n) {
+  return packed_linear_impl(x, tiles, scales, mins, group, n, Format::kI8);
+}
+
+// ------------------------------------------------------------------ repacking
+// u4 qweight uint8 [N, K/2] in GGUF's nibble order (byte j of a group holds q[j] | q[j+16]
+// << 4) -> tiles uint8 [T, K/32, 4, 64].
+Tensor tile_u4(const Tensor& qweight) {
+  check_cpu_contiguous(qweight, "qweight");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte, "u4 qweight must be uint8 [N, K/2]");
+  const int64_t n = qweight.size(0), half = qweight.size(1), k = half * 2, groups = k / 32;
+  const int64_t num_tiles = (n + kTile - 1) / kTile;
+  Tensor out = at::zeros({num_tiles, groups, 4, 64}, qweight.options());
+  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row / kTile, r = row % kTile;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* block = src + row * half + g * 16;  // q[i] = i < 16 ? lo(i) : hi(i-16)
+        auto q = [&](int64_t i) -> uint8_t { return i < 16 ? block[i] & 0x0F : block[i - 16] >> 4; };
+        for (int p = 0; p < 4; ++p)
+          for (int j = 0; j < 4; ++j)
+            dst[((t * groups + g) * 4 + p) * 64 + r * 4 + j] =
+                static_cast<uint8_t>(q(4 * p + j) | (q(4 * (p + 4) + j) << 4));
+      }
+    }
+  });
+  return out;
+}
+
+// i8 qweight int8 [N, K] -> tiles uint8 [T, K/4, 64] holding q + 128.
+Tensor tile_i8(const Tensor& qweight) {
+  check_cpu_contiguous(qweight, "qweight");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar, "i8 qweight must be int8 [N, K]");
+  const int64_t n = qweight.size(0), k = qweight.size(1), num_tiles = (n + kTile - 1) / kTile;
+  // Padding rows hold q = 0, i.e. the byte 128.
+  Tensor out = at::full({num_tiles, k / 4, 64}, 128, qweight.options().dtype(at::kByte));
+  const int8_t* src = qweight.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row / kTile, r = row % kTile;
+      for (int64_t kk = 0; kk < k; ++kk)
+        dst[(t * (k / 4) + kk / 4) * 64 + r * 4 + kk % 4] =
+            static_cast<uint8_t>(static_cast<int32_t>(src[row * k + kk]) + 128);
+    }
+  });
+  return out;
+}
+
+// The weight's values w[n, k] = fma(q, s, mn) in float32, for rows `ids` (an embedding
+// lookup) -> [len(ids), K]; ids must lie in 0..N-1.
+template <Format F, typename S>
+void lookup_rows(const int64_t* ids, int64_t count, const Tensor& tiles, const S* sp,
+                 const S* mp, int64_t group, int64_t n, int64_t k, float* out) {
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  const int64_t tile_bytes = tiles.numel() / tiles.size(0), groups = k / group;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t row = ids[i];
+    TORCH_CHECK(row >= 0 && row < n, "token id ", row, " is outside the table of ", n);
+    const int64_t t = row / kTile, r = row % kTile;
+    const uint8_t* bytes = tp + t * tile_bytes;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      int32_t q;
+      if constexpr (F == Format::kU4) {
+        const int64_t in_group = kk % 32, p = (in_group % 16) / 4, j = in_group % 4;
+        const uint8_t byte = bytes[(kk / 32) * 256 + p * 64 + r * 4 + j];
+        q = in_group < 16 ? (byte & 0x0F) : (byte >> 4);
+      } else {
+        q = static_cast<int32_t>(bytes[(kk / 4) * 64 + r * 4 + kk % 4]) - 128;
+      }
+      const int64_t at = (t * groups + kk / group) * kTile + r;
+      const float s = scalar_of(sp[at]);
+      const float mn = mp != nullptr ? scalar_of(mp[at]) : 0.f;
+      out[i * k + kk] = std::fma(static_cast<float>(q), s, mn);
+    }
+  }
+}
+
+// ids [*] -> float32 [*, K]: rows of a tiled weight (the embedding of a tied LM head).
+Tensor tiled_rows(const Tensor& ids_in, const Tensor& tiles, const Tensor& scales,
+                  const Tensor& mins, int64_t group, int64_t n, int64_t k, bool is_u4) {
+  const Format format = is_u4 ? Format::kU4 : Format::kI8;
+  check_tiles(tiles, scales, mins, n, k, group, format);
+  Tensor ids = ids_in.to(at::kLong).contiguous();
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  Tensor out = at::empty(shape, scales.options().dtype(at::kFloat));
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  auto run = [&](const auto* sp, const auto* mp) {
+    using S = std::remove_cv_t<std::remove_pointer_t<decltype(sp)>>;
+    if (is_u4) lookup_rows<Format::kU4, S>(idp, ids.numel(), tiles, sp, mp, group, n, k, op);
+    else lookup_rows<Format::kI8, S>(idp, ids.numel(), tiles, sp, mp, group, n, k, op);
+  };
+  if (scales.scalar_type() == at::kHalf)
+    run(scales.data_ptr<at::Half>(), mins.numel() > 0 ? mins.data_ptr<at::Half>() : nullptr);
+  else
+    run(scales.data_ptr<float>(), mins.numel() > 0 ? mins.data_ptr<float>() : nullptr);
+  return out;
+}
+
+// x [M, K] float32 -> (qx int8 [M, K], d float32 [M, K/16], xs int32 [M, K/16]): the
+// activation quantization every packed linear applies (for tests).
+std::tuple<Tensor, Tensor, Tensor> quantize_activations_op(const Tensor& x_in) {
+  Tensor x = x_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [M, K], K a multiple of 32");
+  const int64_t m = x.size(0), k = x.size(1);
+  const QuantizedRows q = quantize_activations(x);
+  Tensor qx = at::empty({m, k}, x.options().dtype(at::kChar));
+  Tensor d = at::empty({m, k / kBlock}, x.options());
+  Tensor xs = at::empty({m, k / kBlock}, x.options().dtype(at::kInt));
+  std::memcpy(qx.data_ptr<int8_t>(), q.q, m * k);
+  std::memcpy(d.data_ptr<float>(), q.d, m * (k / kBlock) * sizeof(float));
+  std::memcpy(xs.data_ptr<int32_t>(), q.xs, m * (k / kBlock) * sizeof(int32_t));
+  return {qx, d, xs};
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("u4_tiled_linear(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int n) -> Tensor",
+        &pagedllm::u4_tiled_linear);
+  m.def("i8_tiled_linear(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int group, int n)"
+        " -> Tensor", &pagedllm::i8_tiled_linear);
+  m.def("tile_u4(Tensor qweight) -> Tensor", &pagedllm::tile_u4);
+  m.def("tile_i8(Tensor qweight) -> Tensor", &pagedllm::tile_i8);
+  m.def("tiled_rows(Tensor ids, Tensor tiles, Tensor scales, Tensor mins, int group, int n, "
+        "int k, bool is_u4) -> Tensor", &pagedllm::tiled_rows);
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)",
+        &pagedllm::quantize_activations_op);
+}
