@@ -245,7 +245,9 @@ def test_the_default_model_answers_a_rag_question_identically_and_faster_per_ste
     assert snapshot["steps"] < len(got.token_ids)  # several tokens per step on average
 
 
-def test_wrappers_and_the_server_pass_speculation_on(repeating_model):
+def test_wrappers_and_the_server_pass_speculation_on(repeating_model, capsys):
+    import argparse
+
     import httpx
 
     from pagedllm_integrations.engine.factory import create_engine
@@ -274,6 +276,11 @@ def test_wrappers_and_the_server_pass_speculation_on(repeating_model):
                 == 200
             )
             metrics = httpx.get(server.url + "/metrics").text
+            from pagedllm_integrations.server import top
+
+            top_args = argparse.Namespace(url=server.url, interval=0.1, api_key=None, iterations=1)
+            assert top.run(top_args) == 0
+            assert "draft tokens accepted" in capsys.readouterr().out
         assert "pagedllm:spec_decode_num_draft_tokens_total" in metrics
         assert (
             'pagedllm:spec_decode_acceptance_rate_per_pos{model_name="tiny",position="0"}'

@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 
 from pagedllm_integrations import EngineConfig, SamplingParams
 from pagedllm_integrations.engine.kv_cache_manager import KVCacheManager
-from pagedllm_integrations.engine.metrics import EngineCounters, IterationStats, SchedulerStats
+from pagedllm_integrations.engine.metrics import (
+    EngineCounters,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from pagedllm_integrations.engine.request import Request, RequestStatus
 from pagedllm_integrations.engine.sampler import Sampler
 from pagedllm_integrations.engine.scheduler import Scheduler
@@ -315,6 +320,13 @@ def test_counters_and_prometheus_report_drafts_and_acceptance_per_position():
     assert values[("pagedllm:spec_decode_num_draft_tokens_per_pos_total", "2")] == 2
     assert values[("pagedllm:spec_decode_acceptance_rate", None)] == 0.5
     assert values[("pagedllm:spec_decode_acceptance_rate_per_pos", "1")] == pytest.approx(1 / 3)
+    # Replicas' snapshots add up (Ray data parallelism sums them and recomputes the rates).
+    total = SpecDecodingStats.from_dict(snapshot)
+    total.add(SpecDecodingStats.from_dict(snapshot))
+    assert total.as_dict()["spec_decode_draft_tokens_per_position"] == [6, 6, 4]
+    assert (
+        total.acceptance_rate_per_position == snapshot["spec_decode_acceptance_rate_per_position"]
+    )
 
 
 def test_the_cli_flag_reaches_the_engine_config():
