@@ -1,9 +1,9 @@
 """Batched sampling: one [N, vocab] tensor of logits in, one token per row out.
 
 Order of processing (as vLLM): logit bias, min_tokens and grammar masks -> penalties ->
-(greedy rows take the argmax here) -> temperature -> min_p -> top_k / top_p -> a draw by
-the exponential-race (Gumbel-max) trick, argmax(p / E) with E ~ Exp(1), which samples
-from p and lets each seeded row draw its own noise from its own generator.
+(greedy rows take the argmax here) -> temperature -> min_p -> top_k / top_p -> a draw from
+each row's distribution by its inverse CDF, one uniform number per row, from the row's own
+generator when the request is seeded.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Sampler:
         self.process_logits(logits, requests)
 
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        sampled = logits.argmax(dim=-1)
+        sampled = _argmax(logits)
         if not bool(greedy.all()):
             random_rows = (~greedy).nonzero().flatten().tolist()
             sub = logits[random_rows]
@@ -122,12 +122,12 @@ class Sampler:
     # --------------------------------------------------------------- sampling
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = self.probabilities(logits, [r.sampling_params for r in requests])
-        return (probs / self.exponential_noise(probs, requests)).argmax(dim=-1)
+        return _draw(probs, requests, self.generator)
 
     def probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """What each row samples from, [N, V]: temperature, softmax, min_p, top-k / top-p.
 
-        A row is proportional to its distribution (min_p and top-p cut without renormalising).
+        A row is proportional to its distribution (min_p cuts without renormalising).
         logits: [N, V] after masks and penalties; params: the rows' SamplingParams.
         """
         device = logits.device
@@ -146,20 +146,10 @@ class Sampler:
             probs = _top_k_top_p(probs, top_k, top_p)
         return probs
 
-    def exponential_noise(self, probs: torch.Tensor, requests: list) -> torch.Tensor:
-        """Exp(1) noise shaped like probs [N, V]: argmax(probs / noise) samples each row.
-        A seeded request's row comes from its own generator, the others from the engine's."""
-        device = probs.device
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], device=device
-            ).exponential_(generator=self.generator)
-        for i, request in enumerate(requests):
-            if request.generator is not None:
-                noise[i].exponential_(generator=request.generator)
-        return noise
+    def draw(self, probs: torch.Tensor, requests: list) -> torch.Tensor:
+        """One token per row of probs [N, V] (proportional to a distribution), with each
+        seeded request's own generator (see `_draw`)."""
+        return _draw(probs, requests, self.generator)
 
 
 def logprob_info(
@@ -177,16 +167,73 @@ def logprob_info(
     )
 
 
+def _draw(probs: torch.Tensor, requests: list[Request], generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [N, V] (rows need not sum to 1), by the inverse of its
+    cumulative distribution: the first token whose cumulative mass exceeds u * total, u
+    uniform in [0, 1). Tokens of zero probability are never chosen (their cumulative mass
+    does not rise). One uniform per row, drawn from the row's own generator when the
+    request is seeded: ~0.1 ms a row, where exponential noise over the vocabulary costs 1.5.
+
+    Each row's cumulative sum is taken on its own: torch sums a batch of rows in another
+    order than a single row, and a seeded request must draw the same token whatever shares
+    its step."""
+    chosen = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for i, request in enumerate(requests):
+        row = probs[i]
+        cdf = row.cumsum(dim=0)
+        u = torch.rand(1, generator=request.generator or generator, device=probs.device)
+        index = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+        if index >= row.shape[0]:  # u * total rounded up to the total
+            index = int(row.nonzero()[-1])  # the last token of positive mass
+        chosen[i] = index
+    return chosen
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first maximum, as argmax: `max(dim).indices` is the same
+    index and, on CPU, 2-4x faster than torch's argmax (15 ms against 3 for 64 rows of a
+    49k vocabulary)."""
+    return x.max(dim=-1).indices
+
+
+# The top candidates taken first for top-k / top-p; the width doubles while some row's
+# nucleus does not fit. A full sort of the vocabulary costs ~6 ms a row on CPU.
+_FIRST_WIDTH = 64
+
+
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero the probabilities outside each row's top-k and its top-p nucleus."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    keep = rank < top_k[:, None]
-    # Renormalise within top-k before the nucleus cut, as applying them in sequence does.
-    sorted_probs = sorted_probs * keep
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= mass_before < top_p[:, None]
+    """Zero the probabilities outside each row's top-k and its top-p nucleus.
+
+    probs [N, V] (rows sum to 1), top_k [N] (V = no limit), top_p [N]. The kept tokens are
+    renormalised within the top-k before the nucleus cut, as applying the two in sequence
+    does. Rows with neither limit pass unchanged. Only each row's largest `width`
+    probabilities are sorted: enough once every row's top-k fits in them and its nucleus
+    closes inside them (the width grows until it does)."""
+    vocab = probs.shape[1]
+    limited = top_k < vocab
+    active = limited | (top_p < 1.0)
+    if not bool(active.all()):
+        rows = active.nonzero().flatten()
+        out = probs.clone()
+        if rows.numel():
+            out[rows] = _top_k_top_p(probs[rows], top_k[rows], top_p[rows])
+        return out
+    width = max(_FIRST_WIDTH, int(top_k[limited].max()) if bool(limited.any()) else 0)
+    while True:
+        width = min(width, vocab)
+        sorted_probs, order = probs.topk(width, dim=-1)  # descending
+        rank = torch.arange(width, device=probs.device)[None, :]
+        keep = rank < top_k[:, None]
+        sorted_probs = sorted_probs * keep
+        # Renormalise over the top-k (a row without top-k: over its whole vocabulary).
+        total = torch.where(limited, sorted_probs.sum(dim=-1), probs.sum(dim=-1))[:, None]
+        sorted_probs = sorted_probs / total
+        mass = sorted_probs.cumsum(dim=-1)
+        closed = limited | (mass[:, -1] >= top_p)  # no token past `width` could be kept
+        if width == vocab or bool(closed.all()):
+            break
+        width *= 4
+    keep &= (mass - sorted_probs) < top_p[:, None]
     keep[:, 0] = True  # never drop the most likely token
     filtered = torch.zeros_like(probs)
     filtered.scatter_(1, order, sorted_probs * keep)

@@ -1,5 +1,5 @@
 """Build (once) and load the C++ CPU kernels of kernels/csrc/ (linear_packed.cpp,
-linear_bf16.cpp, attention.cpp, ops.cpp, common.h).
+linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp; common.h, kernels.h).
 
 The source ships inside the package and is compiled on first use with the machine's C++
 compiler (`-O3 -march=native`), through torch.utils.cpp_extension and ninja, into the
@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "linear_bf16.cpp", "linear_packed.cpp", "attention.cpp")
+_SOURCES = ("ops.cpp", "linear_bf16.cpp", "linear_packed.cpp", "attention.cpp", "decoder.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "error": str
 

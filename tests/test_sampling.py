@@ -103,7 +103,9 @@ def test_logprobs_match_transformers(default_llm_f32, hf_default_model):
 
 
 def test_same_seed_same_output_whatever_shares_the_batch(default_llm):
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)
+    # ignore_eos: this prompt ends at once with p = 0.22, and two seeds that both end there
+    # would be equal outputs; 16 sampled tokens from two seeds are not.
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     alone = default_llm.generate("Write a short poem.", seeded, use_tqdm=False)[0]
     noisy = SamplingParams(temperature=1.0, max_tokens=16)
     batch = default_llm.generate(
@@ -176,3 +178,28 @@ def test_incremental_detokenization_never_shows_half_a_character(default_llm, te
         assert "\ufffd" not in detok.output_text
     detok.flush()
     assert detok.output_text == tokenizer.decode(ids)
+
+
+def test_top_k_top_p_on_the_top_candidates_equals_a_full_sort():
+    """The nucleus is found among each row's largest probabilities (widening as needed), and
+    keeps exactly what sorting the whole vocabulary keeps, with the same renormalisation."""
+    from pagedllm_integrations.engine.sampler import _top_k_top_p
+
+    def full_sort(probs, top_k, top_p):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = torch.arange(probs.shape[1])[None, :] < top_k[:, None]
+        sorted_probs = sorted_probs * keep
+        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+        keep &= sorted_probs.cumsum(dim=-1) - sorted_probs < top_p[:, None]
+        keep[:, 0] = True
+        return torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
+
+    vocab = 5000
+    generator = torch.Generator().manual_seed(0)
+    for spread in (0.2, 1.0, 8.0):  # flat (wide nuclei: the width must grow) to peaked
+        probs = torch.softmax(torch.randn(8, vocab, generator=generator) * spread, -1)
+        top_k = torch.tensor([vocab, 20, vocab, 1, 1000, vocab, 50, vocab])
+        top_p = torch.tensor([0.9, 1.0, 0.5, 0.9, 0.95, 1.0, 0.8, 0.999])
+        ours, reference = _top_k_top_p(probs, top_k, top_p), full_sort(probs, top_k, top_p)
+        assert torch.equal(ours > 0, reference > 0), spread
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-7)

@@ -118,6 +118,10 @@ class CausalLM(nn.Module):
         )
         for param in self.parameters():
             param.requires_grad_(False)
+        self.fused_cpu = fused_cpu
+        # The decoder layers as one C++ call (fused_stack.py), built at the first forward
+        # pass (once the weights are in): None = not yet, False = this model's layers differ.
+        self._stack: Any = None
         if fused_cpu:
             enable_fused_cpu_kernels(self)
 
@@ -177,10 +181,27 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, kv_cache, meta, residual)
+        stack = self.fused_stack() if meta.backend == "cpu" else None
+        if stack is not None:
+            x, residual = stack(x, positions, kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(positions, x, kv_cache, meta, residual)
         return self.norm(x, residual)[0]
+
+    use_fused_stack = True  # False: run the layers module by module (the reference)
+
+    def fused_stack(self) -> Any:
+        """The decoder layers as one C++ call, or None where they are not the plain
+        Llama-family layers (or the fast path is off): see fused_stack.py."""
+        if not (self.fused_cpu and self.use_fused_stack):
+            return None
+        if self._stack is None:
+            from .fused_stack import build_fused_stack
+
+            self._stack = build_fused_stack(self) or False
+        return self._stack or None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

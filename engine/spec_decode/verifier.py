@@ -93,7 +93,7 @@ class DraftVerifier:
         emitted = [0] * len(requests)
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         if greedy:
-            choice = logits.argmax(dim=-1).tolist()
+            choice = logits.max(dim=-1).indices.tolist()  # the sampler's greedy pick
             for i in greedy:
                 first, tokens = first_rows[i], drafts[i]
                 accepted = 0
@@ -184,8 +184,8 @@ class DraftVerifier:
         emission = probs[emit_rows]  # [len(sampled), V], a copy
         if rejected:
             emission[rejected, rejected_tokens] = 0.0
-        noise = self.sampler.exponential_noise(emission, [requests[i] for i in sampled])
-        for i, token in zip(sampled, (emission / noise).argmax(dim=-1).tolist()):
+        drawn = self.sampler.draw(emission, [requests[i] for i in sampled]).tolist()
+        for i, token in zip(sampled, drawn):
             emitted[i] = token
 
     def _uniforms(self, requests: list[Request], counts: list[int]) -> list[list[float]]:

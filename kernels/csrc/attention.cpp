@@ -29,7 +29,7 @@
 // key and value load and interleave their dependency chains, while every vector still runs
 // exactly its own sequence of operations (the same bits as one at a time).
 
-#include "common.h"
+#include "kernels.h"
 
 namespace pagedllm {
 namespace {
@@ -424,6 +424,16 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
 }
 
 }  // namespace
+
+namespace api {
+void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                           Tensor& out, const Tensor& seq_ids, const Tensor& cu_seqlens_q,
+                           const Tensor& seq_lens, const Tensor& block_tables, double scale,
+                           int64_t window, double soft_cap) {
+  pagedllm::paged_attention_rows_(q, k_cache, v_cache, out, seq_ids, cu_seqlens_q, seq_lens,
+                                  block_tables, scale, window, soft_cap);
+}
+}  // namespace api
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {

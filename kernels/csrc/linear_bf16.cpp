@@ -15,7 +15,7 @@
 //   more rows: each thread copies kTileRows weight rows into a tile once, then runs a
 //     4 x 4 register-blocked kernel over all M rows.
 
-#include "common.h"
+#include "kernels.h"
 
 namespace pagedllm {
 namespace {
@@ -237,6 +237,12 @@ Tensor bf16_linear(const Tensor& x, const Tensor& weight) {
 }
 
 }  // namespace
+
+namespace api {
+Tensor bf16_linear(const Tensor& x, const Tensor& weight) {
+  return pagedllm::bf16_linear(x, weight);
+}
+}  // namespace api
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {

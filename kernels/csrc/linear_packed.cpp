@@ -36,7 +36,7 @@
 //
 // Shapes at the boundary: x float32 [M, K] -> y float32 [M, N]; K a multiple of 32.
 
-#include "common.h"
+#include "kernels.h"
 
 namespace pagedllm {
 namespace {
@@ -44,6 +44,7 @@ namespace {
 constexpr int64_t kTile = 16;       // output rows per tile: the 16 lanes of a vector
 constexpr int64_t kBlock = 16;      // activation quantization block along K
 constexpr int64_t kRowChunk = 64;   // x rows whose quantized copy is reused across tiles
+constexpr int64_t kAhead = 8;       // weight groups prefetched ahead when few rows stream them
 
 template <typename S>
 inline float scalar_of(S v) {
@@ -191,7 +192,18 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t group_bytes = F == Format::kU4 ? G * 8 : G * 16;  // of the 16 rows
   for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (MR <= 2) {
+      // Few rows: the weights stream from memory once, and the hardware prefetcher alone
+      // leaves most of the bandwidth unused. Ask for the bytes kAhead ahead (past this
+      // tile's end they are the next tile's, which this thread reads next).
+      const char* ahead = reinterpret_cast<const char*>(tile.bytes + (g + kAhead) * group_bytes);
+      for (int64_t line = 0; line < group_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (g + kAhead) * kTile), _MM_HINT_T0);
+      if (mins != nullptr)
+        _mm_prefetch(reinterpret_cast<const char*>(mins + (g + kAhead) * kTile), _MM_HINT_T0);
+    }
     __m512i isum[MR][2];  // per activation block of the group
     for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
     const int64_t k0 = g * group;
@@ -483,6 +495,17 @@ std::tuple<Tensor, Tensor, Tensor> quantize_activations_op(const Tensor& x_in) {
 }
 
 }  // namespace
+
+namespace api {
+Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
+                       const Tensor& mins, int64_t n) {
+  return pagedllm::u4_tiled_linear(x, tiles, scales, mins, n);
+}
+Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
+                       const Tensor& mins, int64_t group, int64_t n) {
+  return pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n);
+}
+}  // namespace api
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {

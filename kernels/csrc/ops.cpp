@@ -1,7 +1,7 @@
 // Fused element-wise kernels of the CPU fast path: RMSNorm (with the residual add),
 // neox rotary embedding in place, gated activations, and KV cache writes.
 
-#include "common.h"
+#include "kernels.h"
 
 namespace pagedllm {
 namespace {
@@ -162,6 +162,24 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
 }
 
 }  // namespace
+
+namespace api {
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  return pagedllm::rms_norm(x, weight, eps);
+}
+Tensor add_rms_norm(const Tensor& x, Tensor& residual, const Tensor& weight, double eps) {
+  return pagedllm::add_rms_norm(x, residual, weight, eps);
+}
+void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos,
+                  const Tensor& sin) {
+  pagedllm::rotary_neox_(q, k, positions, cos, sin);
+}
+Tensor gated_act(const Tensor& x, bool gelu) { return pagedllm::gated_act(x, gelu); }
+void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
+                     const Tensor& slot_mapping) {
+  pagedllm::write_kv_cache_(k, v, k_cache, v_cache, slot_mapping);
+}
+}  // namespace api
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {

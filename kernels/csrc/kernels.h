@@ -1,0 +1,32 @@
+// The C++ entry points of the fast path's kernels, for kernels that compose them
+// (decoder.cpp runs a whole decoder stack through these, with no Python between ops).
+// Each is the function its op in TORCH_LIBRARY(pagedllm) calls; shapes as there.
+#pragma once
+
+#include "common.h"
+
+namespace pagedllm {
+namespace api {
+
+// ops.cpp
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+Tensor add_rms_norm(const Tensor& x, Tensor& residual, const Tensor& weight, double eps);
+void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos,
+                  const Tensor& sin);
+Tensor gated_act(const Tensor& x, bool gelu);
+void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
+                     const Tensor& slot_mapping);
+// attention.cpp
+void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                           Tensor& out, const Tensor& seq_ids, const Tensor& cu_seqlens_q,
+                           const Tensor& seq_lens, const Tensor& block_tables, double scale,
+                           int64_t window, double soft_cap);
+// linear_bf16.cpp, linear_packed.cpp
+Tensor bf16_linear(const Tensor& x, const Tensor& weight);
+Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
+                       const Tensor& mins, int64_t n);
+Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
+                       const Tensor& mins, int64_t group, int64_t n);
+
+}  // namespace api
+}  // namespace pagedllm

@@ -1,0 +1,67 @@
+"""The decoder layers as one C++ call (engine/models/fused_stack.py) against the module path.
+
+The fused stack runs the same kernels in the same order, so every token and every
+log-probability must be equal, bit for bit: on the default GGUF (packed weights), and on
+dense Llama, Qwen2 (biases) and Mistral (sliding window) checkpoints held in bf16, with
+prompts and decodes mixed in one step. Families it does not implement keep the modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm_integrations import LLM, SamplingParams
+from pagedllm_integrations.engine.compute_plan import cpu_fast_path_isa
+from pagedllm_integrations.kernels import cpu_ext
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_fast_path_isa() is not None and cpu_ext.load()),
+    reason="the fused stack is part of the CPU fast path",
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a kingdom far away, there lived a princess who loved to read",
+]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+
+
+def outputs(llm: LLM, fused: bool) -> list[tuple[list[int], list]]:
+    model = llm.engine.engine.model
+    model.use_fused_stack = fused
+    llm.engine.reset_prefix_cache()  # every token computed by the path under test
+    # Different lengths at once: one step carries prompt chunks and decodes together.
+    results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+
+def test_default_model_runs_the_fused_stack_with_the_module_paths_numbers(default_llm):
+    model = default_llm.engine.engine.model
+    try:
+        fused = outputs(default_llm, True)
+        assert model.fused_stack() is not None
+        assert outputs(default_llm, False) == fused
+    finally:
+        model.use_fused_stack = True
+
+
+@pytest.mark.parametrize(
+    "architecture,extra",
+    [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})],
+)
+def test_dense_checkpoints_match_bit_for_bit(architecture, extra, tiny_llama_factory):
+    folder = tiny_llama_factory(f"stack-{architecture}", architecture=architecture, **extra)
+    with LLM(str(folder), disable_log_stats=True, max_model_len=256) as llm:
+        fused = outputs(llm, True)
+        assert llm.engine.engine.model.fused_stack() is not None
+        assert outputs(llm, False) == fused
+
+
+def test_other_families_keep_the_module_path(tmp_path):
+    from family_checkpoints import make_family_checkpoint
+
+    folder = make_family_checkpoint(tmp_path / "qwen3", "qwen3")  # q/k norms
+    with LLM(str(folder), disable_log_stats=True, max_model_len=128) as llm:
+        assert llm.engine.engine.model.fused_stack() is None
+        assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
