@@ -6,8 +6,13 @@
 Sections (each writes its own key of benchmarks/results/rag_fast_path.json, so running one
 keeps the others' last results):
 
-  prompt-lookup   speculative decoding by prompt lookup, on and off, in one process on two
-                  engines that differ only in speculative_config. Workload "rag": the
+  prompt-lookup   speculative decoding by prompt lookup, on and off, on one engine built
+                  with speculative_config whose drafter is switched off for the baseline
+                  runs (what an engine without speculative_config runs): both arms share
+                  the weights, the KV cache and the threads, so the ratio measures
+                  speculation and not where two engines' memory happens to lie (two
+                  identical engines side by side differed by up to 1.4x on this busy
+                  machine). Workload "rag": the
                   examples' RAG prompts (the shop's long system prompt, passages retrieved
                   from examples/data by examples/rag_langchain.py's retriever, the 20
                   questions), greedy, stop at a blank line as the example does; workloads
@@ -19,11 +24,12 @@ keeps the others' last results):
                   from its first token to its last (time to first token is the prefix
                   cache's business, not speculation's), summed over the answers. Each
                   prompt runs --repeats times on each engine in ABBA order (BAAB for the
-                  next prompt), so that a busy machine slows both alike; the ratio is
-                  given pooled and as the median of the per-prompt ratios, and also in
-                  process CPU time per output token (which a shared machine disturbs
-                  less than wall time). Checks that the greedy outputs are identical.
-                  Targets: >= 1.5x on "rag", >= 0.95x on "random" and "random-sampled".
+                  next prompt), so that a busy machine slows both alike. The ratio is the
+                  median of the per-prompt ratios (a burst of load from elsewhere skews a
+                  pooled sum towards whichever arm it hit; the pooled ratio and one in
+                  process CPU time per output token are reported too). Checks that the
+                  greedy outputs are identical. Targets: >= 1.5x on "rag", >= 0.95x on
+                  "random" and "random-sampled".
 
 A later section (the disk prefix cache: time to first token in a fresh process, warm vs
 cold) is added as one more entry of SECTIONS: a `Section(name, help, add_arguments, run)`
@@ -121,22 +127,40 @@ def decode_rate(runs: list[dict]) -> float:
     return sum(max(c["tokens"] - 1, 0) for c in runs) / seconds if seconds else 0.0
 
 
-def compare(engines: dict, prompts: list, params, repeats: int) -> dict:
-    """Every prompt `repeats` times on both engines in ABBA order; sums and the ratios.
+class Arms:
+    """One engine with speculative_config, run as two arms: "lookup" as built, "plain"
+    with its drafter off (the scheduler then runs exactly what an engine without
+    speculative_config runs). Switched only between requests, while the engine is idle."""
+
+    names = ("plain", "lookup")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._scheduler = engine.engine.scheduler
+        self._proposer = self._scheduler.proposer
+        assert self._proposer is not None, "build the engine with speculative_config"
+
+    def run(self, name: str, prompt, params) -> dict:
+        self._scheduler.proposer = self._proposer if name == "lookup" else None
+        return timed(self.engine, prompt, params)
+
+
+def compare(arms: Arms, prompts: list, params, repeats: int) -> dict:
+    """Every prompt `repeats` times on both arms in ABBA order; sums and the ratios.
     params: one SamplingParams, or one per prompt. Sampled outputs differ between the
-    engines (the same distribution, other draws), so only greedy ones are compared."""
+    arms (the same distribution, other draws), so only greedy ones are compared."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     greedy = all(p.temperature == 0 for p in per_prompt)
-    runs: dict[str, list[list[dict]]] = {name: [] for name in engines}  # [prompt][repeat]
-    counters = engines["lookup"].counters
+    runs: dict[str, list[list[dict]]] = {name: [] for name in arms.names}  # [prompt][repeat]
+    counters = arms.engine.counters
     before = counters.snapshot()
     for index, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt)):
-        pair = list(engines) if index % 2 == 0 else list(reversed(engines))
-        for name in engines:
+        pair = list(arms.names) if index % 2 == 0 else list(reversed(arms.names))
+        for name in arms.names:
             runs[name].append([])
         for r in range(2 * repeats):  # A B B A A B B A ...
             name = pair[(r // 2 + r) % 2]
-            runs[name][-1].append(timed(engines[name], prompt, prompt_params))
+            runs[name][-1].append(arms.run(name, prompt, prompt_params))
     after = counters.snapshot()
 
     def delta(key: str) -> int:
@@ -199,30 +223,30 @@ def run_prompt_lookup(args: argparse.Namespace) -> dict:
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
     }
-    settings = dict(max_model_len=2048, kv_cache_memory=256 << 20, disable_log_stats=True)
-    engines = {
-        "plain": AsyncEngine(**settings),
-        "lookup": AsyncEngine(**settings, speculative_config=spec),
-    }
+    engine = AsyncEngine(
+        max_model_len=2048,
+        kv_cache_memory=256 << 20,
+        disable_log_stats=True,
+        speculative_config=spec,
+    )
+    arms = Arms(engine)
     load_before = load_average()
     try:
-        plain = engines["plain"]
-        rag_prompts = [plain.apply_chat_template(m) for m in rag_messages(args.questions)]
+        rag_prompts = [engine.apply_chat_template(m) for m in rag_messages(args.questions)]
         greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop=["\n\n"])
-        for engine in engines.values():  # warm up: kernels, and the system prompt cached
-            engine.add_request(rag_prompts[0], greedy).result()
-        rag = compare(engines, rag_prompts, greedy, args.repeats)
+        for name in arms.names:  # warm up: kernels, and the system prompt cached
+            arms.run(name, rag_prompts[0], greedy)
+        rag = compare(arms, rag_prompts, greedy, args.repeats)
         free_running = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        noise = random_prompts(plain.tokenizer, args.random_prompts, args.random_prompt_tokens)
-        rand = compare(engines, noise, free_running, args.repeats)
+        noise = random_prompts(engine.tokenizer, args.random_prompts, args.random_prompt_tokens)
+        rand = compare(arms, noise, free_running, args.repeats)
         sampled = [
             SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
             for i in range(len(noise))
         ]
-        rand_sampled = compare(engines, noise, sampled, args.repeats)
+        rand_sampled = compare(arms, noise, sampled, args.repeats)
     finally:
-        for engine in engines.values():
-            engine.shutdown()
+        engine.shutdown()
     result = {
         "speculative_config": spec,
         "max_tokens": args.max_tokens,
@@ -235,16 +259,16 @@ def run_prompt_lookup(args: argparse.Namespace) -> dict:
     result["passed"] = bool(
         rag["identical_outputs"]
         and rand["identical_outputs"]
-        and rag["speedup"] >= 1.5
-        and rand["speedup"] >= 0.95
-        and rand_sampled["speedup"] >= 0.95
+        and rag["median_speedup"] >= 1.5
+        and rand["median_speedup"] >= 0.95
+        and rand_sampled["median_speedup"] >= 0.95
     )
     for name, workload in (("rag", rag), ("random", rand), ("random-sampled", rand_sampled)):
         print(
             f"{name:>14}: {workload['plain']['decode_tokens_per_s']:6.1f} -> "
             f"{workload['lookup']['decode_tokens_per_s']:6.1f} output tokens/s "
-            f"({workload['speedup']:.2f}x, median {workload['median_speedup']:.2f}x; end to end "
-            f"{workload['e2e_speedup']:.2f}x, CPU time {workload['cpu_speedup']:.2f}x), "
+            f"(median {workload['median_speedup']:.2f}x, pooled {workload['speedup']:.2f}x; end "
+            f"to end {workload['e2e_speedup']:.2f}x, CPU time {workload['cpu_speedup']:.2f}x), "
             f"acceptance {100 * workload['acceptance_rate']:.1f}% of {workload['draft_tokens']} "
             f"drafts, {workload['mean_acceptance_length']:.2f} tokens per verifying step, "
             f"identical greedy outputs: {workload['identical_outputs']}"
