@@ -166,6 +166,12 @@ def compare(arms: Arms, prompts: list, params, repeats: int) -> dict:
     def delta(key: str) -> int:
         return after[key] - before[key]
 
+    def delta_per_position(key: str) -> list[int]:
+        now, then = after[key], before[key] + [0] * len(after[key])
+        return [a - b for a, b in zip(now, then)]
+
+    accepted_per_position = delta_per_position("spec_decode_accepted_tokens_per_position")
+    drafted_per_position = delta_per_position("spec_decode_draft_tokens_per_position")
     drafted = delta("spec_decode_num_draft_tokens")
     accepted = delta("spec_decode_num_accepted_tokens")
     drafts = delta("spec_decode_num_drafts")
@@ -194,6 +200,9 @@ def compare(arms: Arms, prompts: list, params, repeats: int) -> dict:
         draft_tokens=drafted,
         accepted_tokens=accepted,
         mean_acceptance_length=1 + accepted / drafts if drafts else 0.0,
+        acceptance_rate_per_position=[
+            a / d if d else 0.0 for a, d in zip(accepted_per_position, drafted_per_position)
+        ],
         # Greedy: every run of a prompt, on either engine, gives the same tokens.
         identical_outputs=all(
             len({tuple(c["token_ids"]) for c in a + b}) == 1
