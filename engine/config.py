@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .spec_decode.config import SpeculativeConfig
+
 GiB = 1 << 30
 
 # Accepted for drop-in compatibility with vLLM/LangChain arguments, with no effect here.
@@ -55,10 +57,15 @@ class EngineConfig:
     disable_log_stats: bool = False
     log_stats_interval: float = 5.0
     max_logprobs: int = 20
+    # Speculative decoding by prompt lookup, as vLLM spells it: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (a dict,
+    # its JSON text or a SpeculativeConfig; becomes a SpeculativeConfig). None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     trust_remote_code: bool = False
     enforce_eager: bool = True
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
@@ -121,6 +128,12 @@ class EngineConfig:
                 "prefix_cache_dir is not supported with tensor_parallel_size > 1 (each rank "
                 "holds a slice of every block in another process); leave one of them unset"
             )
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """speculative_config as checked in __post_init__ (None: no speculative decoding)."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -49,7 +49,8 @@ class Executor(Protocol):
         self, step: SchedulerOutput, block_ids: list[list[int]]
     ) -> tuple[torch.Tensor, list[int]]:
         """Run one step: logits [N, vocab] float32 and the indexes (into step.scheduled)
-        of the N requests they belong to."""
+        of the requests they belong to, in order: one row each, or 1 + k rows for a
+        request verifying k draft tokens."""
         ...
 
     def shutdown(self) -> None:
@@ -78,8 +79,13 @@ class LocalExecutor:
             backend=self.plan.attention_backend,
             per_block=per_block,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
-            num_logit_rows=min(tokens, self.config.max_num_seqs),
+            num_logit_rows=min(tokens, self.config.max_num_seqs * self._rows_per_seq()),
         )
+
+    def _rows_per_seq(self) -> int:
+        """Logits rows a sequence can need in one step (1 + its draft tokens)."""
+        spec = self.config.speculation
+        return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
     def allocate(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
         self.runner = ModelRunner(

@@ -111,17 +111,21 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_draft_tokens: int = 0,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `request`; False if blocks ran out.
 
         `new_computed_blocks` are prefix-cache hits that start right after the request's
-        computed tokens (only for a request that has no blocks yet).
+        computed tokens (only for a request that has no blocks yet). `num_draft_tokens`
+        speculative tokens after those get slots too, but no block is hashed for them:
+        only tokens that are the request's own are ever registered in the prefix cache.
         """
         hits = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_hit_tokens = len(hits) * self.block_size
         total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(hits)
+        num_slots = total_tokens + num_draft_tokens
+        num_needed = cdiv(num_slots, self.block_size) - len(blocks) - len(hits)
         # Hits that sit in the free queue stop being free once touched.
         num_hits_now_free = sum(1 for block in hits if block.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_hits_now_free:
@@ -171,6 +175,17 @@ class KVCacheManager:
                 if block.ref_cnt == 1:
                     self.pool.uncache(block)
         self.pool.free_blocks(reversed(blocks))
+
+    def free_unused_slots(self, request: Request) -> None:
+        """Give back the blocks past a request's computed tokens (the slots of its rejected
+        draft tokens). None of them is hashed: they hold no token of the request yet."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        unused = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(unused))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_blocks.get(request_id, ())]

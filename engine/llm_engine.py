@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +38,8 @@ from .request import Request, RequestStatus
 from .row_faults import sample_rows
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode.ngram import NgramProposer
+from .spec_decode.verifier import DraftVerifier
 from .tool_formats import ToolCallFormat
 
 logger = logging.getLogger(__name__)
@@ -113,6 +116,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             num_swap_blocks=num_swap_blocks,
+            proposer=NgramProposer(config.speculation) if config.speculation else None,
         )
         self.executor.allocate(self.num_blocks, block_size, num_swap_blocks)
         self.disk_cache: DiskPrefixCache | None = None
@@ -130,6 +134,7 @@ class LLMEngine:
                 device=self.device,
             )
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
+        self.verifier = DraftVerifier(self.sampler)
         self.groups: dict[str, RequestGroup] = {}
         # Steps in a row that failed as a whole (the health check reports a wedged engine).
         self.consecutive_failed_steps = 0
@@ -272,11 +277,13 @@ class LLMEngine:
         def recompute_logits() -> torch.Tensor:  # the same step again, its swaps already done
             return self.executor.execute(replace(out, swap_out=[], swap_in=[]), block_ids)[0]
 
+        tokens: list[list[int]] = [[] for _ in out.scheduled]
+        logprobs: list[list] = [[] for _ in out.scheduled]
         try:
             logits, sampled_rows = self.executor.execute(out, block_ids)
-            requests = [out.scheduled[i].request for i in sampled_rows]
-            # A row that raises in the sampler fails its request only (engine/row_faults.py).
-            sampled, failed_rows = sample_rows(self.sampler, logits, requests, recompute_logits)
+            failed = self._sample(
+                out, logits, sampled_rows, tokens, logprobs, iteration, recompute_logits
+            )
         except Exception as error:  # the whole step failed: fail its requests, keep serving
             logger.exception(
                 "engine step failed; failing the %d requests in it", len(out.scheduled)
@@ -286,14 +293,8 @@ class LLMEngine:
                 self._fail(item.request, f"{type(error).__name__}: {error}", touched, uncache=True)
             return
         self.consecutive_failed_steps = 0
-        for row, message in failed_rows.items():
-            self._fail(requests[row], message, touched)
-        tokens: list[list[int]] = [[] for _ in out.scheduled]
-        logprobs: list[list] = [[] for _ in out.scheduled]
-        for row, index in enumerate(sampled_rows):
-            if row not in failed_rows:
-                tokens[index] = [sampled.token_ids[row]]
-                logprobs[index] = [sampled.logprobs[row]]
+        for index, message in failed.items():
+            self._fail(out.scheduled[index].request, message, touched)
         update = self.scheduler.update_from_output(out, tokens, logprobs, iteration)
         for request, message in update.failed:
             self._fail(request, message, touched)
@@ -301,6 +302,76 @@ class LLMEngine:
             group = self.groups.get(request.parent_id or request.request_id)
             if group is not None:
                 touched[group.request_id] = group
+
+    def _sample(
+        self,
+        out: SchedulerOutput,
+        logits: torch.Tensor,  # [sum of each sampled request's 1 + drafts, vocab]
+        sampled_rows: list[int],
+        tokens: list[list[int]],
+        logprobs: list[list],
+        iteration: IterationStats,
+        recompute_logits: Callable[[], torch.Tensor],
+    ) -> dict[int, str]:
+        """Fill tokens[i] / logprobs[i] for each sampled out.scheduled[i]: one sampled token,
+        or, for a request that verified drafts, its accepted drafts and one more. Returns
+        {i: why} for the requests whose row raised in the sampler (they get no token)."""
+        if not out.num_draft_tokens:
+            return self._sample_plain(logits, sampled_rows, out, tokens, logprobs, recompute_logits)
+        # Rows of requests without drafts go through the sampler as in any step; requests
+        # with drafts through the verifier.
+        plain_rows, plain, drafting_rows, drafting = [], [], [], []
+        row = 0
+        for index in sampled_rows:
+            num_rows = 1 + len(out.scheduled[index].draft_token_ids)
+            if num_rows == 1:
+                plain_rows.append(row)
+                plain.append(index)
+            else:
+                drafting_rows.extend(range(row, row + num_rows))
+                drafting.append(index)
+            row += num_rows
+        failed: dict[int, str] = {}
+        if plain:
+            failed = self._sample_plain(
+                logits[plain_rows], plain, out, tokens, logprobs,
+                lambda: recompute_logits()[plain_rows],
+            )  # fmt: skip
+        items = [out.scheduled[i] for i in drafting]
+        verified = self.verifier(
+            logits[drafting_rows] if plain else logits,
+            [item.request for item in items],
+            [item.draft_token_ids for item in items],
+        )
+        for position, index in enumerate(drafting):
+            tokens[index] = verified.token_ids[position]
+            logprobs[index] = verified.logprobs[position]
+        iteration.record_drafts(
+            [len(item.draft_token_ids) for item in items], verified.num_accepted
+        )
+        return failed
+
+    def _sample_plain(
+        self,
+        logits: torch.Tensor,  # [len(indices), vocab]: one row per request
+        indices: list[int],
+        out: SchedulerOutput,
+        tokens: list[list[int]],
+        logprobs: list[list],
+        recompute_logits: Callable[[], torch.Tensor],
+    ) -> dict[int, str]:
+        """One token for each out.scheduled[i], i in indices. A row that raises in the
+        sampler fails its request only (engine/row_faults.py): {i: why}."""
+        requests = [out.scheduled[i].request for i in indices]
+        sampled, failed_rows = sample_rows(self.sampler, logits, requests, recompute_logits)
+        failed: dict[int, str] = {}
+        for row, index in enumerate(indices):
+            if row in failed_rows:
+                failed[index] = failed_rows[row]
+            else:
+                tokens[index] = [sampled.token_ids[row]]
+                logprobs[index] = [sampled.logprobs[row]]
+        return failed
 
     def _fail(self, request: Request, message: str, touched: dict, uncache: bool = False) -> None:
         request.error = message

@@ -51,6 +51,107 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    spec: SpecDecodingStats | None = None  # when sequences verified draft tokens
+
+    def record_drafts(self, num_draft_tokens: list[int], num_accepted: list[int]) -> None:
+        """Speculative decoding: per verifying sequence, its drafts and how many were kept."""
+        if self.spec is None:
+            self.spec = SpecDecodingStats()
+        self.spec.observe(num_draft_tokens, num_accepted)
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Draft tokens proposed and accepted (over a step, or summed over many).
+
+    Position j counts the sequences that had a (j+1)-th draft token, and those whose
+    (j+1)-th draft was accepted: acceptance rate per position = accepted / drafted there.
+    """
+
+    num_drafts: int = 0  # sequences that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    draft_tokens_per_position: list[int] = field(default_factory=list)
+    accepted_tokens_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: list[int], num_accepted: list[int]) -> None:
+        for drafted, accepted in zip(num_draft_tokens, num_accepted):
+            self.num_drafts += 1
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += accepted
+            _add_ones(self.draft_tokens_per_position, drafted)
+            _add_ones(self.accepted_tokens_per_position, accepted)
+        _pad(self.accepted_tokens_per_position, len(self.draft_tokens_per_position))
+
+    def add(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for mine, theirs in (
+            (self.draft_tokens_per_position, other.draft_tokens_per_position),
+            (self.accepted_tokens_per_position, other.accepted_tokens_per_position),
+        ):
+            _pad(mine, len(theirs))
+            for j, value in enumerate(theirs):
+                mine[j] += value
+        _pad(self.accepted_tokens_per_position, len(self.draft_tokens_per_position))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [
+            accepted / drafted if drafted else 0.0
+            for accepted, drafted in zip(
+                self.accepted_tokens_per_position, self.draft_tokens_per_position
+            )
+        ]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying sequence gets per step: its accepted drafts plus one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @classmethod
+    def from_dict(cls, snapshot: dict) -> SpecDecodingStats:
+        """The totals back from an `as_dict()` (or an `EngineCounters.snapshot()`)."""
+        return cls(
+            num_drafts=snapshot.get("spec_decode_num_drafts", 0),
+            num_draft_tokens=snapshot.get("spec_decode_num_draft_tokens", 0),
+            num_accepted_tokens=snapshot.get("spec_decode_num_accepted_tokens", 0),
+            draft_tokens_per_position=list(
+                snapshot.get("spec_decode_draft_tokens_per_position", [])
+            ),
+            accepted_tokens_per_position=list(
+                snapshot.get("spec_decode_accepted_tokens_per_position", [])
+            ),
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_acceptance_rate": self.acceptance_rate,
+            "spec_decode_mean_acceptance_length": self.mean_acceptance_length,
+            "spec_decode_draft_tokens_per_position": list(self.draft_tokens_per_position),
+            "spec_decode_accepted_tokens_per_position": list(self.accepted_tokens_per_position),
+            "spec_decode_acceptance_rate_per_position": self.acceptance_rate_per_position,
+        }
+
+
+def _add_ones(counts: list[int], length: int) -> None:
+    """counts[j] += 1 for j < length, growing counts as needed."""
+    _pad(counts, length)
+    for j in range(length):
+        counts[j] += 1
+
+
+def _pad(counts: list[int], length: int) -> None:
+    if len(counts) < length:
+        counts.extend([0] * (length - len(counts)))
 
 
 class StatLogger(Protocol):
@@ -69,6 +170,7 @@ class EngineCounters:
         self.max_seqs_in_step = 0
         self.batch_sizes: list[int] = []  # sequences per step, the last 10,000 steps
         self.last_scheduler = SchedulerStats()
+        self.spec = SpecDecodingStats()  # speculative decoding since start
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         with self._lock:
@@ -80,6 +182,8 @@ class EngineCounters:
             self.batch_sizes.append(iteration.num_seqs)
             del self.batch_sizes[:-10_000]
             self.last_scheduler = scheduler
+            if iteration.spec is not None:
+                self.spec.add(iteration.spec)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -98,6 +202,7 @@ class EngineCounters:
                 "num_preemptions": s.num_preemptions,
                 "prefix_cache_disk_loaded": s.prefix_cache_disk_loaded,
                 "prefix_cache_disk_written": s.prefix_cache_disk_written,
+                **self.spec.as_dict(),
             }
 
 
@@ -109,18 +214,27 @@ class LoggingStatLogger:
         self._last = time.monotonic()
         self._prompt = 0
         self._generation = 0
+        self._spec = SpecDecodingStats()
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         self._prompt += iteration.num_prompt_tokens
         self._generation += iteration.num_generation_tokens
+        if iteration.spec is not None:
+            self._spec.add(iteration.spec)
         now = time.monotonic()
         elapsed = now - self._last
         if elapsed < self.interval:
             return
         hit_rate = scheduler.prefix_cache_hits / max(scheduler.prefix_cache_queries, 1)
+        spec = ""
+        if self._spec.num_drafts:
+            spec = (
+                f" | drafts accepted {100 * self._spec.acceptance_rate:.1f}% "
+                f"({self._spec.mean_acceptance_length:.2f} tokens per verifying step)"
+            )
         logger.info(
             "running %d, waiting %d | prompt %.1f tok/s, generation %.1f tok/s | "
-            "KV cache %.1f%% | prefix hits %.1f%% | preemptions %d",
+            "KV cache %.1f%% | prefix hits %.1f%% | preemptions %d%s",
             scheduler.num_running,
             scheduler.num_waiting,
             self._prompt / elapsed,
@@ -128,5 +242,7 @@ class LoggingStatLogger:
             100 * scheduler.kv_cache_usage,
             100 * hit_rate,
             scheduler.num_preemptions,
+            spec,
         )
         self._last, self._prompt, self._generation = now, 0, 0
+        self._spec = SpecDecodingStats()

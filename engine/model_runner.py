@@ -10,7 +10,12 @@ r2 (1 new token at position 0), with block_size 16:
     slot_mapping  [b0[1]*16+0, b0[1]*16+1, b0[1]*16+2, b1[0]*16+7, b2[0]*16+0]
     block_tables  [[b0[0], b0[1]], [b1[0], pad], [b2[0], pad]]
 
-Only the last token of a sequence whose known tokens are now all computed gets logits.
+Only the last token of a sequence whose known tokens are now all computed gets logits,
+and, for a sequence verifying k draft tokens (speculative decoding), the k positions before
+it too: its last known token and its drafts run as k + 1 query rows, and each gets logits
+
+    r1 verifying drafts d1 d2:   input_ids [... | t7 d1 d2 | ...]   logits rows: t7 d1 d2
+    (the target's next token after t7, after d1 and after d2: 3 rows for r1)
 """
 
 from __future__ import annotations
@@ -135,7 +140,8 @@ class ModelRunner:
         """Flat inputs for a step. block_ids[i] are the blocks of out.scheduled[i].
 
         Returns input_ids [T], positions [T], metadata, logits_indices [N] and the indexes
-        (into out.scheduled) of the N requests that get a sampled token.
+        (into out.scheduled) of the requests that get a sampled token: each has one logits
+        row, or 1 + k consecutive rows when it verifies k draft tokens.
         """
         bs = self.block_size
         scheduled = out.scheduled
@@ -148,11 +154,16 @@ class ModelRunner:
         max_blocks = max(len(b) for b in block_ids)
         block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         sampled_rows: list[int] = []
+        logit_rows: list[int] = []
         offset = 0
         for i, (item, blocks) in enumerate(zip(scheduled, block_ids)):
             start, n = item.start, item.num_tokens
             end = offset + n
-            input_ids[offset:end] = item.request.all_token_ids[start : start + n]
+            num_drafts = len(item.draft_token_ids)
+            known = n - num_drafts
+            input_ids[offset : offset + known] = item.request.all_token_ids[start : start + known]
+            if num_drafts:
+                input_ids[offset + known : end] = item.draft_token_ids
             pos = np.arange(start, start + n)
             positions[offset:end] = pos
             table = np.asarray(blocks, dtype=np.int64)
@@ -162,6 +173,7 @@ class ModelRunner:
             cu_seqlens[i + 1] = end
             if item.completes_prompt:
                 sampled_rows.append(i)
+                logit_rows.extend(range(end - 1 - num_drafts, end))
             offset = end
         to = self.device
         meta = AttentionMetadata(
@@ -173,7 +185,7 @@ class ModelRunner:
             max_seqlen_k=int(seq_lens.max()),
             backend=self.backend,
         )
-        logits_indices = torch.from_numpy(cu_seqlens[1:][sampled_rows] - 1).long().to(to)
+        logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=to)
         return (
             torch.from_numpy(input_ids).to(to),
             torch.from_numpy(positions).to(to),
@@ -201,8 +213,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model over one flat batch: logits [N, vocab] float32 (None: no logits, [0, V])."""
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if logits_indices is None:
-            return hidden[:0]
+        if logits_indices is None or logits_indices.numel() == 0:
+            # A step of prompt chunks only samples nothing (and the fast path's linear
+            # kernels take at least one row).
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[logits_indices])
 
     def swap(

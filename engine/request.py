@@ -86,6 +86,7 @@ class Request:
     cumulative_logprob: float = 0.0
     detokenizer: IncrementalDetokenizer | None = None
     structured: Any = None  # a grammar matcher when the request is constrained
+    draft_index: Any = None  # speculative decoding: the n-gram index of its tokens
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -37,8 +37,7 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        self._apply_masks(logits, requests)
-        self._apply_penalties(logits, requests)
+        self.process_logits(logits, requests)
 
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         sampled = _argmax(logits)
@@ -53,21 +52,19 @@ class Sampler:
         if raw_logprobs is not None:
             for row, request in enumerate(requests):
                 k = request.sampling_params.logprobs
-                if k is None:
-                    continue
-                row_lp = raw_logprobs[row]
-                chosen = row_lp[token_ids[row]]
-                rank = int((row_lp > chosen).sum().item()) + 1
-                top = torch.topk(row_lp, k) if k > 0 else None
-                logprobs[row] = (
-                    float(chosen),
-                    rank,
-                    top.indices.tolist() if top is not None else [],
-                    top.values.tolist() if top is not None else [],
-                )
+                if k is not None:
+                    logprobs[row] = logprob_info(raw_logprobs[row], token_ids[row], k)
         return SamplerOutput(token_ids, logprobs)
 
     # ------------------------------------------------------------------ masks
+    def process_logits(self, logits: torch.Tensor, requests: list) -> None:
+        """Logit bias, min_tokens and grammar masks, then penalties, in place: what the rows
+        are chosen from. logits [N, V]; requests[i] (or a view with the same attributes:
+        sampling_params, num_output_tokens, output_token_ids, prompt_token_ids, structured)
+        is row i's."""
+        self._apply_masks(logits, requests)
+        self._apply_penalties(logits, requests)
+
     def _apply_masks(self, logits: torch.Tensor, requests: list[Request]) -> None:
         constrained: list[int] = []
         for row, request in enumerate(requests):
@@ -124,7 +121,15 @@ class Sampler:
 
     # --------------------------------------------------------------- sampling
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
+        probs = self.probabilities(logits, [r.sampling_params for r in requests])
+        return _draw(probs, requests, self.generator)
+
+    def probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """What each row samples from, [N, V]: temperature, softmax, min_p, top-k / top-p.
+
+        A row is proportional to its distribution (min_p cuts without renormalising).
+        logits: [N, V] after masks and penalties; params: the rows' SamplingParams.
+        """
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
         logits = logits / temperature
@@ -139,7 +144,27 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         if bool((top_p < 1.0).any()) or bool((top_k < logits.shape[1]).any()):
             probs = _top_k_top_p(probs, top_k, top_p)
+        return probs
+
+    def draw(self, probs: torch.Tensor, requests: list) -> torch.Tensor:
+        """One token per row of probs [N, V] (proportional to a distribution), with each
+        seeded request's own generator (see `_draw`)."""
         return _draw(probs, requests, self.generator)
+
+
+def logprob_info(
+    row_logprobs: torch.Tensor, token_id: int, k: int
+) -> tuple[float, int, list[int], list[float]]:
+    """(the token's logprob, its rank, the top-k ids, the top-k logprobs) of one row [V]."""
+    chosen = row_logprobs[token_id]
+    rank = int((row_logprobs > chosen).sum().item()) + 1
+    top = torch.topk(row_logprobs, k) if k > 0 else None
+    return (
+        float(chosen),
+        rank,
+        top.indices.tolist() if top is not None else [],
+        top.values.tolist() if top is not None else [],
+    )
 
 
 def _draw(probs: torch.Tensor, requests: list[Request], generator: torch.Generator) -> torch.Tensor:

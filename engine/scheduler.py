@@ -6,6 +6,11 @@ getting the tokens it still needs (one for a decoding request, a chunk of its pr
 a prefilling one); then waiting requests are admitted while budget, `max_num_seqs` and
 free blocks allow. When blocks run out the lowest-ranked running request is preempted
 (recomputed later, or swapped to host memory when `swap_space` allows).
+
+With speculative decoding a decoding request also runs its draft tokens (a proposer's
+guesses of the tokens after its last one): they take budget and KV slots like any token,
+but only when there is room; a draft never preempts anyone. After the step the verified
+tokens are committed and the slots of rejected drafts are given back.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 from .kv_cache_manager import KVCacheManager, cdiv
 from .metrics import IterationStats
 from .request import LogprobInfo, Request, RequestStatus
+from .spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +70,16 @@ def make_policy(policy: str | SchedulingPolicy) -> SchedulingPolicy:
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens computed for it in this step
+    num_tokens: int  # tokens computed for it in this step (its draft tokens included)
     start: int  # its num_computed_tokens before this step (position of the first one)
+    # Speculative tokens after its last known token, verified by this step (the last
+    # len(draft_token_ids) of its num_tokens).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_prompt(self) -> bool:
         """True when this step computes its last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens == self.request.num_tokens + len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -81,6 +90,7 @@ class SchedulerOutput:
     # (block ids on device, slots in the host swap space) to copy before the forward pass.
     swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
     swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    num_draft_tokens: int = 0  # draft tokens among num_batched_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -105,8 +115,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str | SchedulingPolicy = "fcfs",
         num_swap_blocks: int = 0,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.kv = kv_manager
+        self.proposer = proposer  # speculative decoding's drafter, or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -167,16 +179,23 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request
-            while not self.kv.allocate_slots(request, num_new):
+            drafts = self._propose(request, num_new, budget)
+            while not self.kv.allocate_slots(request, num_new, num_draft_tokens=len(drafts)):
+                if drafts:  # drafts only use free room: try again without them
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
                 out.scheduled.append(
-                    ScheduledRequest(request, num_new, request.num_computed_tokens)
+                    ScheduledRequest(
+                        request, num_new + len(drafts), request.num_computed_tokens, drafts
+                    )
                 )
-                budget -= num_new
+                budget -= num_new + len(drafts)
+                out.num_draft_tokens += len(drafts)
                 index += 1
                 continue
             break  # the request preempted itself: nobody behind it can run either
@@ -193,6 +212,19 @@ class Scheduler:
         if CHECK_INVARIANTS:
             self._check_invariants(out)
         return out
+
+    def _propose(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: as many as the budget, the context length
+        and its max_tokens leave room for after the token it computes anyway."""
+        if self.proposer is None or num_new != request.num_tokens - request.num_computed_tokens:
+            return []
+        if num_new != 1:  # still prefilling
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:  # the last token the request may get needs no draft
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return self.proposer.propose(request, room) if room > 0 else []
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -259,6 +291,9 @@ class Scheduler:
 
         sampled[i] are the tokens of out.scheduled[i] in order (empty when the step only
         computed part of its prompt); logprobs[i] has one entry per token, when given.
+        For a request that ran draft tokens, sampled[i] is the accepted drafts and then one
+        more token: the rejected drafts' positions are not computed (their keys are stale
+        and overwritten later) and the blocks past its computed tokens are freed.
         A token that cannot be committed (its grammar rejects it) fails that request only.
         """
         update = StepUpdate()
@@ -268,6 +303,11 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_tokens
+            if item.draft_token_ids:
+                num_accepted = max(len(tokens) - 1, 0)
+                assert num_accepted <= len(item.draft_token_ids), (item, tokens)
+                request.num_computed_tokens -= len(item.draft_token_ids) - num_accepted
+                self.kv.free_unused_slots(request)
             if not tokens:
                 continue
             infos = logprobs[index] if logprobs is not None else None
@@ -356,7 +396,9 @@ class Scheduler:
             seen.add(request.request_id)
             assert request.status == RequestStatus.RUNNING, request
             assert item.num_tokens > 0
-            assert item.start + item.num_tokens <= request.num_tokens, request
+            assert item.start + item.num_tokens <= request.num_tokens + len(item.draft_token_ids)
+            if item.draft_token_ids:
+                assert item.completes_prompt, request
             blocks = self.kv.num_blocks_of(request.request_id)
             assert blocks >= cdiv(item.start + item.num_tokens, self.kv.block_size), request
         for request in self.waiting:

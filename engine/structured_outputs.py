@@ -135,6 +135,30 @@ class GrammarMatcher:
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
 
+    def fill_draft_bitmasks(
+        self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]
+    ) -> tuple[int, int]:
+        """Speculative decoding: the masks along a run of draft tokens.
+
+        Row first_row + j of bitmask (int32 [rows, ceil(vocab / 32)]) gets the mask after
+        drafts[:j], for each j the grammar reaches: it stops after the first draft it
+        refuses or after one that ends it. The parser state is as before on return.
+        Returns (drafts accepted in a row, rows filled).
+        """
+        matcher = self._matcher
+        accepted = filled = 0
+        for j in range(len(drafts) + 1):
+            matcher.fill_next_token_bitmask(bitmask, first_row + j)
+            filled += 1
+            if j == len(drafts) or not matcher.accept_token(int(drafts[j])):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+        if accepted:
+            matcher.rollback(accepted)
+        return accepted, filled
+
 
 def apply_grammar_masks(
     logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]
@@ -146,8 +170,6 @@ def apply_grammar_masks(
     """
     if not rows:
         return
-    import xgrammar as xgr
-
     width = matchers[0].bitmask_width
     # Rows of the bitmask follow the rows of the logits (xgrammar's `indices` convention);
     # rows outside `rows` are never read.
@@ -158,6 +180,40 @@ def apply_grammar_masks(
         _batch_matcher().batch_fill_next_token_bitmask(
             [m._matcher for m in matchers], bitmask, list(rows)
         )
+    _apply_bitmask(logits, bitmask, rows)
+
+
+def apply_draft_grammar_masks(
+    logits: torch.Tensor,
+    first_rows: Sequence[int],
+    matchers: Sequence[GrammarMatcher],
+    drafts: Sequence[Sequence[int]],
+) -> list[int]:
+    """Mask the rows of constrained sequences that verify draft tokens, in place.
+
+    Sequence i owns rows first_rows[i] .. first_rows[i] + len(drafts[i]) of logits [N, V]:
+    row j is masked for its grammar's state after drafts[i][:j] (see
+    `GrammarMatcher.fill_draft_bitmasks`). Returns, per sequence, how many of its drafts
+    the grammar accepts in a row: a later draft can never be accepted.
+    """
+    if not matchers:
+        return []
+    bitmask = torch.empty(logits.shape[0], matchers[0].bitmask_width, dtype=torch.int32)
+    rows: list[int] = []
+    limits: list[int] = []
+    for first, matcher, tokens in zip(first_rows, matchers, drafts):
+        accepted, filled = matcher.fill_draft_bitmasks(bitmask, first, tokens)
+        rows.extend(range(first, first + filled))
+        limits.append(accepted)
+    _apply_bitmask(logits, bitmask, rows)
+    return limits
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """logits[rows] of disallowed tokens to -inf; bitmask int32 [N, width] on CPU."""
+    import xgrammar as xgr
+
+    width = bitmask.shape[1]
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     # Ids past the bitmask (a model vocabulary wider than the tokenizer's) are masked too:

@@ -39,6 +39,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (Ray)")
     parser.add_argument("--distributed-executor-backend", default=None, choices=[None, "mp", "ray"])
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding by prompt lookup, as JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -60,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -333,3 +333,25 @@ def test_the_kernel_thread_pool_serves_several_callers_and_forked_children():
     _, status = os.waitpid(child, 0)
     assert os.read(read, 1) == b"1" and os.WEXITSTATUS(status) == 0
     os.close(read)
+
+
+@pytest.mark.parametrize("group", [2, 3, 4, 5, 7])
+def test_attending_query_heads_together_gives_each_head_alone_bits(group):
+    """The G query heads of a KV head are attended together (sharing key and value loads);
+    each must still get the bits it gets attended alone. Alone here: G copies of the KV
+    head, one query head each (G = 1)."""
+    g = torch.Generator().manual_seed(group)
+    head_dim, block_size, length, rows = 64, 16, 150, 5
+    k1 = torch.randn(12, block_size, 1, head_dim, generator=g).to(torch.bfloat16)
+    v1 = torch.randn(12, block_size, 1, head_dim, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(12, generator=g)[:10].to(torch.int32)[None]
+    q = torch.randn(rows, group, head_dim, generator=g)
+    args = (
+        torch.tensor([0]), torch.tensor([0, rows], dtype=torch.int32),
+        torch.tensor([length], dtype=torch.int32), tables, head_dim**-0.5, 0, 0.0,
+    )  # fmt: skip
+    together, alone = torch.empty_like(q), torch.empty_like(q)
+    ops().paged_attention_rows_(q, *fast_layout(k1, v1), together, *args)
+    copies = fast_layout(k1.expand(-1, -1, group, -1), v1.expand(-1, -1, group, -1))
+    ops().paged_attention_rows_(q, *copies, alone, *args)
+    assert torch.equal(together, alone)

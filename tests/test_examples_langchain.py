@@ -41,6 +41,8 @@ def test_rag_example_streams_answers_and_reads_the_prefix_cache_from_disk_next_t
     closing = re.search(r"([\d.]+) tokens/s; prefix-cache hit rate ([\d.]+)%", out)
     assert closing is not None, out
     assert float(closing.group(1)) > 0 and float(closing.group(2)) > 25
+    lookup = re.search(r"prompt lookup: ([\d.]+)% of (\d+) drafted tokens accepted", out)
+    assert lookup is not None and int(lookup.group(2)) > 0, out  # the example turns it on
     # The system prompt was hit twice: its blocks are on disk. The next run's first
     # question reads them from there.
     again = run_example("rag_langchain.py", "--questions", "1", *disk)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,4 @@ def test_rag_example_streams_an_answer_from_the_documents(tmp_path: Path) -> Non
     answer = result.stdout.split("A: ", 1)[1].split("Sources:", 1)[0]
     assert "45 euros" in answer, result.stdout
     assert "repairs.md" in result.stdout.split("Sources:", 1)[1], result.stdout
+    assert re.search(r"prompt lookup: [\d.]+% of \d+ drafted tokens accepted", result.stdout)

@@ -296,3 +296,46 @@ def test_health_reports_a_hung_step_and_steps_that_all_fail(engine, monkeypatch)
     engine.add_request("Hello", SamplingParams(max_tokens=2)).result()
     assert engine.health() is None
     assert engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_a_row_fault_beside_requests_verifying_drafts_fails_that_request_only(
+    tiny_llama_factory, default_model_folder, monkeypatch
+):
+    """With prompt lookup on, a step holds plain rows and rows verifying drafts; a fault in
+    a plain row is still pinned on its request, and the drafting neighbour's tokens are
+    the ones it gets alone."""
+    # A tied, larger-initialised random model repeats itself (as test_spec_decode's does).
+    folder = tiny_llama_factory("spec-tied", tie_word_embeddings=True, initializer_range=0.12)
+    config = EngineConfig(
+        model=str(folder), disable_log_stats=True, max_model_len=512, num_kv_blocks=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1},
+    )  # fmt: skip
+    with AsyncEngine(config) as spec_engine:
+        repeating = "alpha beta gamma " * 10
+        greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        solo = spec_engine.add_request(repeating, greedy).result().outputs[0].token_ids
+        drafted_alone = spec_engine.counters.snapshot()["spec_decode_num_draft_tokens"]
+        assert drafted_alone > 0  # the neighbour does verify drafts
+
+        faulty_spec = StructuredOutputsParams(regex="[a-z ]{1,60}")
+        manager = spec_engine._inputs.structured_outputs
+        real_new_matcher = manager.new_matcher
+        faulty_key = canonical_key(faulty_spec)
+
+        def new_matcher(compiled):
+            matcher = real_new_matcher(compiled)
+            return FaultyMatcher(matcher) if compiled.key == faulty_key else matcher
+
+        monkeypatch.setattr(manager, "new_matcher", new_matcher)
+        faulty = SamplingParams(temperature=0, max_tokens=40, structured_outputs=faulty_spec)
+        streams = spec_engine.submit_many(
+            [spec_engine.process_inputs("The sea", faulty),
+             spec_engine.process_inputs(repeating, greedy)]
+        )  # fmt: skip
+        with pytest.raises(RequestError, match="injected grammar matcher fault"):
+            streams[0].result()
+        assert streams[1].result().outputs[0].token_ids == solo
+        assert spec_engine.counters.snapshot()["spec_decode_num_draft_tokens"] > drafted_alone
+        assert spec_engine.num_free_blocks() == spec_engine.num_total_blocks()
+        assert spec_engine.health() is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ..metrics import SchedulerStats
+from ..metrics import SchedulerStats, SpecDecodingStats
 
 if TYPE_CHECKING:
     from .ray_replicas import RayReplicaEngine
@@ -29,6 +29,10 @@ class ReplicaCounters:
                     total[key] = total.get(key, 0) + value
         if per_replica:
             total["kv_cache_usage"] = total.get("kv_cache_usage", 0.0) / len(per_replica)
+        spec = SpecDecodingStats()  # rates are recomputed from the summed counts
+        for snap in per_replica:
+            spec.add(SpecDecodingStats.from_dict(snap))
+        total.update(spec.as_dict())
         total["replicas"] = per_replica
         total["prefix_routed"] = self._owner.router.prefix_routed
         total["replicas_replaced"] = self._owner.replicas_replaced

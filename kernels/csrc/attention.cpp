@@ -24,7 +24,10 @@
 //
 // Work items are (sequence, KV head, block of up to kQueryBlock query rows): each chunk
 // of keys is loaded (and widened to float32, keys transposed) once per item and used by
-// all its rows and all G = Hq / Hkv query heads of the KV head.
+// all its rows and all G = Hq / Hkv query heads of the KV head. The G heads of one row see
+// the same keys, so they are attended together, up to kGroup at a time: they share each
+// key and value load and interleave their dependency chains, while every vector still runs
+// exactly its own sequence of operations (the same bits as one at a time).
 
 #include "kernels.h"
 
@@ -33,6 +36,7 @@ namespace {
 
 constexpr int64_t kChunk = 64;
 constexpr int64_t kQueryBlock = 16;
+constexpr int kGroup = 4;  // query vectors attended together (their scores stay in registers)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #ifdef PAGEDLLM_AVX512
@@ -202,6 +206,100 @@ inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo
     for (int64_t x = 0; x < d; ++x) acc[x] = std::fma(probs[key], s.values[key * d + x], acc[x]);
 }
 
+#ifdef PAGEDLLM_AVX512
+// NV query vectors (each d floats, one after another in q, already scaled) with the same
+// visible lanes [lo, hi) against the loaded chunk: for each vector the operations of
+// attend_chunk, in its order (so the same bits), with the loads of keys and values shared.
+// running_max, running_sum: [NV]; acc: [NV][d]; probs: [NV][kChunk] scratch. d % 16 == 0.
+template <int NV>
+inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
+                               int64_t hi, double soft_cap, float* running_max,
+                               float* running_sum, float* acc, float* probs) {
+  constexpr int kT = kChunk / 16;
+  __m512 scores[NV][kT];
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < d; ++x) {
+    __m512 keys[kT];
+    for (int t = 0; t < kT; ++t) keys[t] = _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t);
+    for (int v = 0; v < NV; ++v) {
+      const __m512 qx = _mm512_set1_ps(q[v * d + x]);
+      for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_fmadd_ps(qx, keys[t], scores[v][t]);
+    }
+  }
+  const __m512i lane0 =
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 corr[NV];
+  for (int v = 0; v < NV; ++v) {
+    __m512 chunk_max = _mm512_set1_ps(running_max[v]);
+    for (int t = 0; t < kT; ++t) {
+      if (soft_cap > 0) {
+        const __m512 cap = _mm512_set1_ps(static_cast<float>(soft_cap));
+        scores[v][t] = _mm512_mul_ps(cap, tanh512(_mm512_div_ps(scores[v][t], cap)));
+      }
+      const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(16 * t), lane0);
+      const __mmask16 visible =
+          _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(lo))) &
+          _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(hi)));
+      scores[v][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, scores[v][t]);
+      chunk_max = _mm512_max_ps(chunk_max, scores[v][t]);
+    }
+    const float new_max = _mm512_reduce_max_ps(chunk_max);
+    const float correction =
+        running_max[v] == kNegInf ? 0.f : exp_scalar(running_max[v] - new_max);
+    __m512 total = _mm512_setzero_ps();
+    for (int t = 0; t < kT; ++t) {
+      const __m512 p = exp512(_mm512_sub_ps(scores[v][t], _mm512_set1_ps(new_max)));
+      _mm512_storeu_ps(probs + v * kChunk + 16 * t, p);
+      total = _mm512_add_ps(total, p);
+    }
+    running_sum[v] = running_sum[v] * correction + _mm512_reduce_add_ps(total);
+    running_max[v] = new_max;
+    corr[v] = _mm512_set1_ps(correction);
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int64_t x = 0; x < d; x += 16)
+      _mm512_storeu_ps(acc + v * d + x, _mm512_mul_ps(_mm512_loadu_ps(acc + v * d + x), corr[v]));
+  for (int64_t key = lo; key < hi; ++key) {
+    const float* val = s.values.data() + key * d;
+    __m512 p[NV];
+    for (int v = 0; v < NV; ++v) p[v] = _mm512_set1_ps(probs[v * kChunk + key]);
+    for (int64_t x = 0; x < d; x += 16) {
+      const __m512 vx = _mm512_loadu_ps(val + x);
+      for (int v = 0; v < NV; ++v)
+        _mm512_storeu_ps(acc + v * d + x,
+                         _mm512_fmadd_ps(p[v], vx, _mm512_loadu_ps(acc + v * d + x)));
+    }
+  }
+}
+#endif
+
+// The `count` query vectors of one row (its G heads: vectors first .. first + count of the
+// item) against the loaded chunk, all with visible lanes [lo, hi).
+inline void attend_row_chunk(Scratch& s, int64_t first, int64_t count, int64_t d, int64_t lo,
+                             int64_t hi, double soft_cap) {
+#ifdef PAGEDLLM_AVX512
+  if (d % 16 == 0) {
+    for (int64_t v = first; v < first + count; v += kGroup) {
+      float* q = s.q.data() + v * d;
+      float* acc = s.acc.data() + v * d;
+      float* maxs = s.maxs.data() + v;
+      float* sums = s.sums.data() + v;
+      switch (std::min<int64_t>(kGroup, first + count - v)) {
+        case 4: attend_chunk_group<4>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
+        case 3: attend_chunk_group<3>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
+        case 2: attend_chunk_group<2>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
+        default: attend_chunk_group<1>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t v = first; v < first + count; ++v)
+    attend_chunk(s.q.data() + v * d, s, d, lo, hi, soft_cap, s.maxs[v], s.sums[v],
+                 s.acc.data() + v * d, s.probs.data());
+}
+
 template <typename CacheT>
 void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const CacheT* v_cache,
                  float* op, const int32_t* cu, const int32_t* lens, const int32_t* tables,
@@ -234,11 +332,7 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
       const int64_t lo = std::max(first[r], start) - start;
       const int64_t hi = std::min(last[r] + 1, start + kChunk) - start;
       if (lo >= hi) continue;  // none of this chunk's keys is visible to this row
-      for (int64_t g = 0; g < g_count; ++g) {
-        const int64_t v = r * g_count + g;
-        attend_chunk(s.q.data() + v * d, s, d, lo, hi, soft_cap, s.maxs[v], s.sums[v],
-                     s.acc.data() + v * d, s.probs.data());
-      }
+      attend_row_chunk(s, r * g_count, g_count, d, lo, hi, soft_cap);
     }
   }
   for (int64_t r = 0; r < item.num_rows; ++r) {
@@ -266,7 +360,7 @@ void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tenso
     thread_local Scratch s;
     s.keys_t.resize(geo.head_dim * kChunk);
     s.values.resize(kChunk * geo.head_dim);
-    s.probs.resize(kChunk);
+    s.probs.resize(kChunk * kGroup);
     attend_item(items[i], qp, kc, vc, op, cu, lens, tables, geo, scale, window, soft_cap, s);
   });
 }

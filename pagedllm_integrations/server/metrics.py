@@ -5,6 +5,11 @@ counters and observes histograms (prometheus-client's are thread-safe and cheap)
 reports cumulative prefix-cache and preemption totals; they become counters through deltas.
 Aborted requests never pass through an engine step's finished list, so the server reports
 them itself with `record_aborted` (finished_reason="abort").
+
+Speculative decoding (vLLM's names): spec_decode_num_drafts, _num_draft_tokens and
+_num_accepted_tokens counters, _num_accepted_tokens_per_pos and _num_draft_tokens_per_pos
+by `position` (0 = the first draft token), and the acceptance rate since start as gauges
+(spec_decode_acceptance_rate, and _acceptance_rate_per_pos by `position`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..engine.metrics import IterationStats, SchedulerStats
+from ..engine.metrics import IterationStats, SchedulerStats, SpecDecodingStats
 
 PREFIX = "pagedllm:"
 
@@ -80,6 +85,38 @@ class PrometheusStatLogger:
         self.request_generation = histogram(
             "request_generation_tokens", "Generated tokens per finished sequence.", _TOKEN_BUCKETS
         )
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Sequences that verified speculative draft tokens."
+        )
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative draft tokens verified."
+        )
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."
+        )
+        by_position = ["model_name", "position"]
+        self._spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first).",
+            by_position,
+            registry=r,
+        )
+        self._spec_drafted_per_pos = Counter(
+            PREFIX + "spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens verified, by position in the draft (0 = first).",
+            by_position,
+            registry=r,
+        )
+        self.spec_acceptance = gauge(
+            "spec_decode_acceptance_rate", "Accepted / verified draft tokens since start (0-1)."
+        )
+        self._spec_acceptance_per_pos = Gauge(
+            PREFIX + "spec_decode_acceptance_rate_per_pos",
+            "Accepted / verified draft tokens at each draft position since start (0-1).",
+            by_position,
+            registry=r,
+        )
+        self._spec_total = SpecDecodingStats()
         self._lock = threading.Lock()
         self._last_cumulative = (0, 0, 0)  # prefix queries, prefix hits, preemptions
 
@@ -90,6 +127,8 @@ class PrometheusStatLogger:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:
             self.generation_tokens.inc(iteration.num_generation_tokens)
+        if iteration.spec is not None:
+            self._record_spec(iteration.spec)
         for value in iteration.time_to_first_tokens:
             self.ttft.observe(value)
         for value in iteration.inter_token_latencies:
@@ -100,6 +139,22 @@ class PrometheusStatLogger:
             self.queue_time.observe(finished.queue_time)
             self.request_prompt.observe(finished.num_prompt_tokens)
             self.request_generation.observe(finished.num_generation_tokens)
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+        for position, (drafted, accepted) in enumerate(
+            zip(spec.draft_tokens_per_position, spec.accepted_tokens_per_position)
+        ):
+            label = str(position)
+            self._spec_drafted_per_pos.labels(self.model_name, label).inc(drafted)
+            self._spec_accepted_per_pos.labels(self.model_name, label).inc(accepted)
+        total = self._spec_total
+        total.add(spec)
+        self.spec_acceptance.set(total.acceptance_rate)
+        for position, rate in enumerate(total.acceptance_rate_per_position):
+            self._spec_acceptance_per_pos.labels(self.model_name, str(position)).set(rate)
 
     def update_scheduler(self, scheduler: SchedulerStats) -> None:
         """Gauges and the engine's cumulative totals (also called at scrape time)."""

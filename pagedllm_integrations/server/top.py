@@ -92,6 +92,12 @@ def render(url: str, previous: Snapshot | None, current: Snapshot) -> str:
         + "   inter-token "
         + (f"{1000 * itl:.0f} ms" if itl is not None else "-"),
     ]
+    drafted = current.get("spec_decode_num_draft_tokens_total")
+    if drafted:  # speculative decoding is on and has drafted
+        accepted = current.get("spec_decode_num_accepted_tokens_total")
+        lines.append(
+            f"drafts     {100 * accepted / drafted:5.1f}% of {int(drafted)} draft tokens accepted"
+        )
     return "\n".join(lines)
 
 
