@@ -50,9 +50,18 @@ def _prompts(npl: int, seed: int = 0) -> list[list[int]]:
 
 
 def _peak_rss_mib() -> float:
+    """This process's peak resident memory, plus the largest of its children's (vLLM runs
+    its engine core in a child process; pagedllm has none).
+
+    Not getrusage(RUSAGE_SELF).ru_maxrss: on Linux that survives exec, so a worker started
+    by this script reports the parent's peak (1.6 GB once the parent had converted the GGUF
+    for vLLM) whenever its own is lower. VmHWM belongs to the process image alone."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/status") as status:
+        own_kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    children_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own_kib + children_kib) / 1024
 
 
 def worker_pagedllm(args: argparse.Namespace) -> dict:

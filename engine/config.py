@@ -33,7 +33,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length (capped at 8192)
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # default: 1024 chunked, else max_model_len
+    max_num_batched_tokens: int | None = (
+        None  # default chunked: 512 CPU, 2048 GPU; else max_model_len
+    )
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes of KV cache; CPU default 1 GiB
