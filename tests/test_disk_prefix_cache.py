@@ -272,3 +272,20 @@ def test_the_server_and_cli_take_the_directory(tmp_path):
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     assert (config.prefix_cache_dir, config.prefix_cache_max_gib) == (str(tmp_path), 2.5)
     assert EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args([]))).prefix_cache_dir is None
+
+
+def test_disk_totals_reach_the_prometheus_metrics():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedllm_integrations.engine.metrics import IterationStats, SchedulerStats
+    from pagedllm_integrations.server.metrics import PrometheusStatLogger
+
+    prometheus = PrometheusStatLogger("m")
+    for loaded, written in [(32, 0), (32, 16), (96, 16)]:  # the engine's cumulative totals
+        stats = SchedulerStats(prefix_cache_disk_loaded=loaded, prefix_cache_disk_written=written)
+        prometheus.record(stats, IterationStats())
+    text = generate_latest(prometheus.registry).decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["pagedllm:prefix_cache_disk_loaded_tokens_total"] == 96
+    assert values["pagedllm:prefix_cache_disk_written_tokens_total"] == 16

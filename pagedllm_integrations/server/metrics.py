@@ -2,7 +2,8 @@
 
 `PrometheusStatLogger.record` runs on the engine thread once per step, so it only bumps
 counters and observes histograms (prometheus-client's are thread-safe and cheap). The engine
-reports cumulative prefix-cache and preemption totals; they become counters through deltas.
+reports cumulative prefix-cache (memory and disk) and preemption totals; they become
+counters through deltas.
 Aborted requests never pass through an engine step's finished list, so the server reports
 them itself with `record_aborted` (finished_reason="abort").
 
@@ -59,6 +60,14 @@ class PrometheusStatLogger:
         )
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.disk_loaded = counter(
+            "prefix_cache_disk_loaded_tokens",
+            "Prompt tokens whose KV blocks were read from the prefix-cache directory.",
+        )
+        self.disk_written = counter(
+            "prefix_cache_disk_written_tokens",
+            "Tokens whose KV blocks were written to the prefix-cache directory.",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._success = Counter(
@@ -118,7 +127,8 @@ class PrometheusStatLogger:
         )
         self._spec_total = SpecDecodingStats()
         self._lock = threading.Lock()
-        self._last_cumulative = (0, 0, 0)  # prefix queries, prefix hits, preemptions
+        # prefix queries, prefix hits, preemptions, disk-loaded and disk-written tokens
+        self._last_cumulative = (0, 0, 0, 0, 0)
 
     # ----------------------------------------------------- engine thread, every step
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
@@ -165,6 +175,8 @@ class PrometheusStatLogger:
             scheduler.prefix_cache_queries,
             scheduler.prefix_cache_hits,
             scheduler.num_preemptions,
+            scheduler.prefix_cache_disk_loaded,
+            scheduler.prefix_cache_disk_written,
         )
         with self._lock:
             # max(): a total never goes back, even if two snapshots arrive out of order.
@@ -172,7 +184,11 @@ class PrometheusStatLogger:
             self._last_cumulative = tuple(
                 max(c, last) for c, last in zip(current, self._last_cumulative)
             )
-        for metric, delta in zip((self.prefix_queries, self.prefix_hits, self.preemptions), deltas):
+        cumulative = (
+            self.prefix_queries, self.prefix_hits, self.preemptions,
+            self.disk_loaded, self.disk_written,
+        )  # fmt: skip
+        for metric, delta in zip(cumulative, deltas):
             if delta:
                 metric.inc(delta)
 
