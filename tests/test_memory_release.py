@@ -112,8 +112,9 @@ def test_resident_memory_drops_back_after_close():
     grew = rss["loaded"] - rss["before"]
     left = rss["after"] - rss["before"]
     print({k: round(v / 2**20) for k, v in rss.items()}, "MiB")
-    # 135M float32 weights (~540 MiB) and a 256 MiB KV cache: most of it must go back.
-    assert grew > 400 * 2**20, rss
+    # A 256 MiB KV cache (zeroed, so resident) and the weights (packed on the CPU fast path,
+    # ~100 MiB; float32 elsewhere, ~540 MiB): most of it must go back.
+    assert grew > 300 * 2**20, rss
     assert left < 0.25 * grew, rss
 
 
