@@ -69,15 +69,18 @@ class Section:
     run: Callable[[argparse.Namespace], dict]
 
 
-def load_rag_example():
-    """examples/rag_langchain.py as a module: its system prompt, questions and retriever."""
-    spec = importlib.util.spec_from_file_location(
-        "rag_langchain_example", ROOT / "examples" / "rag_langchain.py"
-    )
+def load_script(name: str, path: Path):
+    """A script of the repository (an example, another benchmark) as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_rag_example():
+    """examples/rag_langchain.py as a module: its system prompt, questions and retriever."""
+    return load_script("rag_langchain_example", ROOT / "examples" / "rag_langchain.py")
 
 
 def rag_messages(questions: int) -> list[list[dict]]:
@@ -303,11 +306,7 @@ def add_disk_cache_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_disk_cache(args: argparse.Namespace) -> dict:
-    spec = importlib.util.spec_from_file_location(
-        "rag_disk_cache", Path(__file__).parent / "rag_disk_cache.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("rag_disk_cache", Path(__file__).parent / "rag_disk_cache.py")
     result = module.measure_disk_cache_ttft(
         system_tokens=args.disk_system_tokens, repeats=args.disk_repeats, threads=args.threads
     )

@@ -147,8 +147,22 @@ class FaultyMatcher:
         return self.real.is_terminated()
 
 
-def test_a_fault_in_one_row_fails_that_request_and_no_other(engine, monkeypatch):
+def inject_faulty_grammar(engine, monkeypatch) -> StructuredOutputsParams:
+    """A grammar whose matchers (in `engine`, for this test) are FaultyMatchers."""
     faulty_spec = StructuredOutputsParams(regex="[a-z ]{1,60}")
+    manager = engine._inputs.structured_outputs
+    real_new_matcher = manager.new_matcher
+    faulty_key = canonical_key(faulty_spec)
+
+    def new_matcher(compiled):
+        matcher = real_new_matcher(compiled)
+        return FaultyMatcher(matcher) if compiled.key == faulty_key else matcher
+
+    monkeypatch.setattr(manager, "new_matcher", new_matcher)
+    return faulty_spec
+
+
+def test_a_fault_in_one_row_fails_that_request_and_no_other(engine, monkeypatch):
     neighbours = {
         "greedy": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
         "seeded": SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True),
@@ -160,15 +174,7 @@ def test_a_fault_in_one_row_fails_that_request_and_no_other(engine, monkeypatch)
         name: engine.add_request("The sea", params).result().outputs[0].token_ids
         for name, params in neighbours.items()
     }
-    manager = engine._inputs.structured_outputs
-    real_new_matcher = manager.new_matcher
-    faulty_key = canonical_key(faulty_spec)
-
-    def new_matcher(compiled):
-        matcher = real_new_matcher(compiled)
-        return FaultyMatcher(matcher) if compiled.key == faulty_key else matcher
-
-    monkeypatch.setattr(manager, "new_matcher", new_matcher)
+    faulty_spec = inject_faulty_grammar(engine, monkeypatch)
     faulty = SamplingParams(temperature=0, max_tokens=40, structured_outputs=faulty_spec)
     groups = [engine.process_inputs("The sea", p) for p in [faulty, *neighbours.values()]]
     streams = engine.submit_many(groups)  # one batch from the first step on
@@ -318,16 +324,7 @@ def test_a_row_fault_beside_requests_verifying_drafts_fails_that_request_only(
         drafted_alone = spec_engine.counters.snapshot()["spec_decode_num_draft_tokens"]
         assert drafted_alone > 0  # the neighbour does verify drafts
 
-        faulty_spec = StructuredOutputsParams(regex="[a-z ]{1,60}")
-        manager = spec_engine._inputs.structured_outputs
-        real_new_matcher = manager.new_matcher
-        faulty_key = canonical_key(faulty_spec)
-
-        def new_matcher(compiled):
-            matcher = real_new_matcher(compiled)
-            return FaultyMatcher(matcher) if compiled.key == faulty_key else matcher
-
-        monkeypatch.setattr(manager, "new_matcher", new_matcher)
+        faulty_spec = inject_faulty_grammar(spec_engine, monkeypatch)
         faulty = SamplingParams(temperature=0, max_tokens=40, structured_outputs=faulty_spec)
         streams = spec_engine.submit_many(
             [spec_engine.process_inputs("The sea", faulty),
