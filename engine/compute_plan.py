@@ -3,7 +3,8 @@
     dtype="auto" on a CPU with AVX-512 and a C++ compiler: the CPU fast path. Weights stay
         as the checkpoint packs them (GGUF Q4/Q5/Q6/Q8 and AWQ 4-bit in exact packed forms,
         float checkpoints in bf16). Packed linears quantize their input rows to int8 in
-        blocks of 16 and sum exact integer products per weight group (AVX512-VNNI, or the
+        blocks of 32 (as llama.cpp) and sum exact integer products per weight group (AMX
+        tiles for batches where the CPU has AMX-INT8, AVX512-VNNI for few rows, or the
         same sums from vpmaddubsw without it); bf16 linears multiply bf16 activations into
         float32 sums (vdpbf16ps with AVX512-BF16 / AMX, else the same sums as float32
         FMAs) (quant/packed_linear.py). Norms, rotary, activation, cache writes and
@@ -82,7 +83,9 @@ def cpu_fast_path_isa() -> str | None:
     """The instruction set the C++ fast path runs on here, or None when it would be slow.
 
     AVX512-VNNI multiplies int8 activations by packed weights in one instruction per 64
-    products; without it (Skylake-SP) vpmaddubsw gives the same integer sums. AVX512-BF16 /
+    products; without it (Skylake-SP) vpmaddubsw gives the same integer sums; AMX-INT8
+    (Sapphire Rapids and later) multiplies 16 rows by a weight group in one tile
+    instruction, again the same sums (used for batches once Linux grants the tile state). AVX512-BF16 /
     AMX multiply bf16 (dense weights) natively; plain AVX-512 (F and BW, e.g. Cascade Lake)
     runs the same products as float32 FMAs: the same sums, bitwise.
     """
@@ -90,6 +93,8 @@ def cpu_fast_path_isa() -> str | None:
     if not {"avx512f", "avx512bw"} <= flags:
         return None
     int8 = "VNNI" if "avx512_vnni" in flags else "no VNNI"
+    if "amx_int8" in flags:
+        int8 += ", AMX-INT8"
     bf16 = "BF16" if cpu_has_bf16() else "bf16 as float32 FMAs"
     return f"AVX-512 CPU: {int8}, {bf16}"
 

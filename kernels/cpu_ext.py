@@ -1,6 +1,6 @@
 """Build (once) and load the C++ CPU kernels of kernels/csrc/ (linear_packed.cpp,
-linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp, thread_pool.cpp; common.h, kernels.h,
-thread_pool.h).
+linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp, thread_pool.cpp, amx.cpp; common.h,
+kernels.h, thread_pool.h, amx.h).
 
 The source ships inside the package and is compiled on first use with the machine's C++
 compiler (`-O3 -march=native`), through torch.utils.cpp_extension and ninja, into the
@@ -37,6 +37,7 @@ _SOURCES = (
     "attention.cpp",
     "decoder.cpp",
     "thread_pool.cpp",
+    "amx.cpp",
 )
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "error": str

@@ -3,10 +3,10 @@
 Packed linears: the tiles hold the PackedWeight's values exactly; a product equals, up to
 float32 rounding, float64 math on the int8-quantized activations (blocks of 32, as
 llama.cpp's Q8) times the exact weights, and gives bitwise the same rows whatever the batch
-size or thread count. Dense bf16 linears: bf16(x) @ W^T summed in float64 up to float32
-rounding, batch-invariant too. Fused ops: RMSNorm (with and without the residual add),
-rotary, gated activations, KV cache writes and paged attention against the torch code they
-replace, over grids of shapes.
+size or thread count, with AMX tiles or VNNI computing the integer sums. Dense bf16
+linears: bf16(x) @ W^T summed in float64 up to float32 rounding, batch-invariant too. Fused
+ops: RMSNorm (with and without the residual add), rotary, gated activations, KV cache
+writes and paged attention against the torch code they replace, over grids of shapes.
 """
 
 from __future__ import annotations
@@ -47,19 +47,19 @@ def weights(n: int, k: int) -> list[PackedWeight]:
 
 
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q8 blocks of 16 (llama.cpp's Q8 activations, in half the block): d = amax / 127,
-    q = round-half-even(x * 127 / amax), and each block's sum of q."""
+    """llama.cpp's Q8 activations: blocks of 32, d = amax / 127, q = round-half-even(x *
+    127 / amax); and the sum of q over each half block (16 values)."""
     m, k = x.shape
-    blocks = x.view(m, k // 16, 16)
+    blocks = x.view(m, k // 32, 32)
     amax = blocks.abs().amax(-1)
     inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inverse[..., None]).clamp(-127, 127)  # torch.round: half to even
-    return q.view(m, k).to(torch.int8), amax / 127.0, q.sum(-1).int()
+    return q.view(m, k).to(torch.int8), amax / 127.0, q.view(m, k // 16, 16).sum(-1).int()
 
 
 def test_activation_quantization_is_llama_cpp_q8():
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(5)) * 3
-    x[2, :16] = 0.0  # an all-zero block
+    x[2, :32] = 0.0  # an all-zero block
     x[3, 5] = 1e4  # an outlier owns its block's scale
     qx, d, sums = ops().quantize_activations(x)
     ref_q, ref_d, ref_sums = quantize_reference(x)
@@ -70,7 +70,7 @@ def reference_product(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """float64 (dequantized int8 activations) @ (exact weights)^T."""
     q, d, _ = quantize_reference(x)
     m, k = x.shape
-    xd = (q.double().view(m, k // 16, 16) * d.double()[..., None]).view(m, k)
+    xd = (q.double().view(m, k // 32, 32) * d.double()[..., None]).view(m, k)
     return xd @ weight.dequantize().double().t()
 
 
@@ -97,6 +97,35 @@ def test_packed_linears_match_int8_recipe_and_are_batch_invariant(n, k):
             assert torch.equal(packed_matmul(x, tiled), full)
         finally:
             torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def amx_switch():
+    """Yields torch.ops.pagedllm.set_amx_enabled; AMX is restored afterwards."""
+    was = ops().amx_enabled()
+    yield ops().set_amx_enabled
+    ops().set_amx_enabled(was)
+
+
+@pytest.mark.parametrize("n,k", [(40, 64), (37, 96), (70, 1024)])
+def test_amx_and_vnni_give_the_same_bits(n, k, amx_switch):
+    """Batches take AMX tiles on CPUs that have them, few rows VNNI; a row's result must
+    not depend on which (every batch size from 1 to 40 rows, partial 16-row chunks)."""
+    from pagedllm_integrations.quant.packed_linear import kernel_weight, packed_matmul
+
+    if not amx_switch(True):
+        pytest.skip("this CPU (or Linux) gives no AMX int8 tiles")
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(12)) * 2
+    x[3, :32] = 0.0  # an all-zero activation block
+    extra = [random_i8(n, k, 32, True, 13), random_i8(n, k, 16, False, 14)]
+    for weight in [*weights(n, k), *extra]:
+        tiled = kernel_weight(weight)
+        amx_switch(False)
+        rows = [packed_matmul(x[i : i + 1], tiled) for i in range(len(x))]
+        want = torch.cat(rows)
+        amx_switch(True)
+        for m in (8, 9, 16, 17, 31, 40):
+            assert torch.equal(packed_matmul(x[:m], tiled), want[:m]), (weight.kind, m)
 
 
 @pytest.mark.parametrize("n,k", [(40, 64), (37, 96)])

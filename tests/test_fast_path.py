@@ -72,9 +72,10 @@ def test_tokens_do_not_depend_on_batching_caching_or_chunking(default_llm):
 
 
 def test_fast_path_logits_are_close_to_float32(default_llm, default_llm_f32):
-    """Same weights (exact packed values), int8 activations in blocks of 16: the first
-    token's log-probabilities agree with float32's to ~0.06 on average (0.21 at most on
-    these prompts; the perplexity cost is in BENCHMARKS.md)."""
+    """Same weights (exact packed values), int8 activations in blocks of 32 (llama.cpp's
+    own Q8 activations): the first token's log-probabilities agree with float32's to ~0.10
+    on average (0.32 at most on these prompts; blocks of 16 gave 0.06 and 0.21 at half the
+    batch speed; the perplexity cost is in BENCHMARKS.md)."""
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     fast = default_llm.generate(PROMPTS, params, use_tqdm=False)
     reference = default_llm_f32.generate(PROMPTS, params, use_tqdm=False)
@@ -86,8 +87,8 @@ def test_fast_path_logits_are_close_to_float32(default_llm, default_llm_f32):
         shared = set(f_top) & set(r_top)
         assert len(shared) >= 4
         differences += [abs(f_top[t].logprob - r_top[t].logprob) for t in shared]
-    assert max(differences) < 0.3
-    assert sum(differences) / len(differences) < 0.1
+    assert max(differences) < 0.4
+    assert sum(differences) / len(differences) < 0.15
 
 
 def test_dense_checkpoint_runs_in_bf16_close_to_float32(tiny_llama_dir):
@@ -133,8 +134,9 @@ def test_awq_checkpoint_repacks_exactly_into_the_fast_path(tiny_llama_factory, t
         assert torch.equal(layer._packed.dequantize(), dense)  # exact repacking
         got = fast.generate(PROMPTS, first, use_tqdm=False)
     # A random model's distribution is flat (top log-probs near -4), so compare it rather
-    # than long greedy paths, which flip on near-ties.
+    # than long greedy paths, which flip on near-ties. The int8 activations (blocks of 32)
+    # move them by 0.21 at most here.
     for f, r in zip(got, want):
         f_top, r_top = f.outputs[0].logprobs[0], r.outputs[0].logprobs[0]
         for token in set(f_top) & set(r_top):
-            assert abs(f_top[token].logprob - r_top[token].logprob) < 0.15
+            assert abs(f_top[token].logprob - r_top[token].logprob) < 0.3

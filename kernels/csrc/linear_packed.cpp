@@ -1,19 +1,22 @@
-// Linears over packed quantized weights (GGUF, AWQ): int8 activations, VNNI dot products.
+// Linears over packed quantized weights (GGUF, AWQ): int8 activations, exact integer dot
+// products (AVX512-VNNI for a few rows, AMX tiles for batches).
 //
 // The recipe, for y[m, n] = sum_k w[n, k] x[m, k] with w[n, k] = s[n, g] * q[n, k] + mn[n, g]:
 //
-//   1. Each row of x is quantized in blocks of 16 along K (llama.cpp's Q8 activations use
-//      32; 16 halves the reach of an outlier channel, for a few percent more time):
-//        d[m, b] = max|x[m, 16b : 16b + 16]| / 127,  qx = round-half-even(x * 127 / max)
-//      (qx in -127..127), and xs[m, b] = sum of qx over block b.
-//   2. For every weight group g (16 or 32 values of K), in K order, for each activation
-//      block b of the group, in order:
-//        isum = sum_{k in b} q[n, k] * qx[m, k]                int32, exact (vpdpbusd)
+//   1. Each row of x is quantized in blocks of 32 along K (as llama.cpp's Q8 activations):
+//        d[m, b] = max|x[m, 32b : 32b + 32]| / 127,  qx = round-half-even(x * 127 / max)
+//      (qx in -127..127); xs[m, h] = sum of qx over each half block h (16 values).
+//   2. For every weight group g (16 or 32 values of K, inside block b), in K order:
+//        isum = sum_{k in g} q[n, k] * qx[m, k]                int32, exact
 //        acc  = fma(float(isum), s[n, g] * d[m, b], acc)
-//      then, for formats with mins, with md = d[m, b0] * xs[m, b0] (+ d[m, b1] * xs[m, b1],
-//      one fma) over the group's blocks:
-//        acc  = fma(mn[n, g], md, acc)
+//      then, for formats with mins, with md[m, g] = d[m, b] * float(sum of qx over g):
+//        acc  = fma(mn[n, g], md[m, g], acc)
 //      y[m, n] = acc.
+//
+// Blocks of 32 make a weight group of 32 one integer sum and one float step: AMX computes
+// it with one tile multiply, and half as many float steps follow as with blocks of 16.
+// Perplexity costs +0.37% against float32 dequantization on SmolLM2 Q4_1 (+0.22% with
+// blocks of 16, which ran at half the speed on batches; BENCHMARKS.md).
 //
 // The integer sums are exact, and every kernel below runs the same float32 operations in
 // the same order for an output element, whatever the batch size or the thread split: a
@@ -29,20 +32,23 @@
 //       its high nibble
 //   i8  q in -128..127 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K); groups of 16 or 32
 //       tiles uint8 [T, K/4, 64]: vector p, byte 4r + j holds q[16t + r, 4p + j] + 128
-//       (vpdpbusd takes unsigned weights; the 128 * sum(qx) it adds is subtracted)
+//       (vpdpbusd takes unsigned weights; the 128 * sum(qx) it adds is subtracted; AMX
+//       multiplies signed bytes, q + 128 xor 128)
 //   scales, mins [T, K/G, 16] float32 (or float16 where every value is exact there):
 //       element [t, g, r] belongs to row 16t + r.
 //   T = ceil(N / 16); rows beyond N are zero.
 //
 // Shapes at the boundary: x float32 [M, K] -> y float32 [M, N]; K a multiple of 32.
 
+#include "amx.h"
 #include "kernels.h"
 
 namespace pagedllm {
 namespace {
 
 constexpr int64_t kTile = 16;       // output rows per tile: the 16 lanes of a vector
-constexpr int64_t kBlock = 16;      // activation quantization block along K
+constexpr int64_t kBlock = 32;      // activation quantization block along K
+constexpr int64_t kHalf = 16;       // the smallest weight group: half a block
 constexpr int64_t kRowChunk = 64;   // x rows whose quantized copy is reused across tiles
 constexpr int64_t kAhead = 8;       // weight groups prefetched ahead when few rows stream them
 
@@ -54,9 +60,28 @@ inline float scalar_of(S v) {
 // ------------------------------------------------------------ activations
 struct QuantizedRows {
   const int8_t* q;     // [M, K]
-  const float* d;      // [M, K/16] block scales
-  const int32_t* xs;   // [M, K/16] sums of q over each block
+  const float* d;      // [M, K/32] block scales
+  const int32_t* xs;   // [M, K/16] sums of q over each half block
+  // Per weight group, for groups of 16 and of 32 (they depend on the row and the group
+  // only, so they are made once here, not again for every tile of the weight):
+  const int32_t* xs32; // [M, K/32] sums of q over each block
+  const float* md16;   // [M, K/16] d[h / 2] * float(xs[h])      the min factor md
+  const float* md32;   // [M, K/32] d[b] * float(xs32[b])
   int64_t k;
+
+  // Group g's activation scale, sum of q and min factor, for groups of G values.
+  template <int G>
+  float scale(int64_t row, int64_t g) const {
+    return d[row * (k / kBlock) + g * G / kBlock];
+  }
+  template <int G>
+  int32_t sum(int64_t row, int64_t g) const {
+    return G == 16 ? xs[row * (k / 16) + g] : xs32[row * (k / 32) + g];
+  }
+  template <int G>
+  float group_min_scale(int64_t row, int64_t g) const {
+    return G == 16 ? md16[row * (k / 16) + g] : md32[row * (k / 32) + g];
+  }
 };
 
 // One row of x (K floats) -> its int8 blocks. The only place activations are quantized.
@@ -67,15 +92,17 @@ inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(src[i]));
     d[b] = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      // nearbyint: round half to even (the default rounding mode), as cvtps2dq does.
-      const int32_t v = static_cast<int32_t>(std::nearbyint(src[i] * inv));
-      const int32_t c = std::min(127, std::max(-127, v));
-      q[b * kBlock + i] = static_cast<int8_t>(c);
-      sum += c;
+    for (int h = 0; h < 2; ++h) {
+      int32_t sum = 0;
+      for (int i = h * kHalf; i < (h + 1) * kHalf; ++i) {
+        // nearbyint: round half to even (the default rounding mode), as cvtps2dq does.
+        const int32_t v = static_cast<int32_t>(std::nearbyint(src[i] * inv));
+        const int32_t c = std::min(127, std::max(-127, v));
+        q[b * kBlock + i] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      xs[2 * b + h] = sum;
     }
-    xs[b] = sum;
   }
 }
 
@@ -84,42 +111,64 @@ inline void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* d, 
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   const __m512i bound = _mm512_set1_epi32(127), neg_bound = _mm512_set1_epi32(-127);
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m512 v = _mm512_loadu_ps(x + b * kBlock);
-    const float amax = _mm512_reduce_max_ps(_mm512_and_ps(v, sign_off));
+    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + kHalf);
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_and_ps(v0, sign_off), _mm512_and_ps(v1, sign_off)));
     d[b] = amax / 127.f;
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     // cvtps2dq rounds half to even; |x * inv| <= 127 up to rounding, clamped anyway.
-    __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-    qv = _mm512_max_epi32(_mm512_min_epi32(qv, bound), neg_bound);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(qv));
-    xs[b] = _mm512_reduce_add_epi32(qv);
+    const __m512 halves[2] = {v0, v1};
+    for (int h = 0; h < 2; ++h) {
+      __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(halves[h], inv));
+      qv = _mm512_max_epi32(_mm512_min_epi32(qv, bound), neg_bound);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + h * kHalf), _mm512_cvtepi32_epi8(qv));
+      xs[2 * b + h] = _mm512_reduce_add_epi32(qv);
+    }
   }
 }
 #endif
 
+// One row's xs32, md16 and md32 from its d and xs.
+inline void row_group_factors(const float* d, const int32_t* xs, int64_t k, int32_t* xs32,
+                              float* md16, float* md32) {
+  for (int64_t h = 0; h < k / kHalf; ++h) md16[h] = d[h / 2] * static_cast<float>(xs[h]);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    xs32[b] = xs[2 * b] + xs[2 * b + 1];
+    md32[b] = d[b] * static_cast<float>(xs32[b]);
+  }
+}
+
 // x [M, K] float32 -> quantized rows in buffers kept by the calling thread.
 QuantizedRows quantize_activations(const Tensor& x) {
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d;
-  thread_local std::vector<int32_t> xs;
-  const int64_t m = x.size(0), k = x.size(1);
+  thread_local std::vector<float> d, md16, md32;
+  thread_local std::vector<int32_t> xs, xs32;
+  const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock, halves = k / kHalf;
   q.resize(m * k);
-  d.resize(m * (k / kBlock));
-  xs.resize(m * (k / kBlock));
+  d.resize(m * blocks);
+  xs.resize(m * halves);
+  xs32.resize(m * blocks);
+  md16.resize(m * halves);
+  md32.resize(m * blocks);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data();
   float* dp = d.data();
   int32_t* sp = xs.data();
+  int32_t* s32 = xs32.data();
+  float* m16 = md16.data();
+  float* m32 = md32.data();
   parallel_for(0, m, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
 #ifdef PAGEDLLM_AVX512
-      quantize_row_avx512(xp + r * k, k, qp + r * k, dp + r * (k / kBlock), sp + r * (k / kBlock));
+      quantize_row_avx512(xp + r * k, k, qp + r * k, dp + r * blocks, sp + r * halves);
 #else
-      quantize_row(xp + r * k, k, qp + r * k, dp + r * (k / kBlock), sp + r * (k / kBlock));
+      quantize_row(xp + r * k, k, qp + r * k, dp + r * blocks, sp + r * halves);
 #endif
+      row_group_factors(dp + r * blocks, sp + r * halves, k, s32 + r * blocks, m16 + r * halves,
+                        m32 + r * blocks);
     }
   });
-  return {qp, dp, sp, k};
+  return {qp, dp, sp, s32, m16, m32, k};
 }
 
 // ------------------------------------------------------------------ formats
@@ -169,14 +218,10 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 #endif
 
-// The float32 steps that follow a group's exact integer sums, for one output element (or
-// 16 of them, lane-wise): the same order in the vector and the scalar code.
-//   acc = fma(float(isum[h]), s * d[h], acc)      for each block h of the group, in order
-//   acc = fma(mn, md, acc)                        md = d[0] xs[0] (+ d[1] xs[1]), with mins
-inline float group_min_scale(const float* d, const int32_t* xs, int64_t blocks) {
-  const float first = d[0] * static_cast<float>(xs[0]);
-  return blocks == 1 ? first : std::fma(d[1], static_cast<float>(xs[1]), first);
-}
+// The float32 steps that follow a group's exact integer sum, for one output element (or 16
+// of them, lane-wise), the same in the vector, AMX and scalar code:
+//   acc = fma(float(isum), s * d, acc)
+//   acc = fma(mn, md, acc)                        with mins
 
 #ifdef PAGEDLLM_AVX512
 // MR rows of x (starting at row r0) against one tile: out[r, 0..lanes) for r < MR.
@@ -185,8 +230,8 @@ inline float group_min_scale(const float* d, const int32_t* xs, int64_t blocks) 
 template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes) {
-  constexpr int64_t group = G, blocks = G / kBlock;  // activation blocks per group: 1 or 2
-  const int64_t k = x.k, groups = k / group;
+  constexpr int64_t halves = G / kHalf;  // 16-value halves of a group: 1 or 2
+  const int64_t k = x.k, groups = k / G;
   const S* scales = static_cast<const S*>(tile.scales);
   const S* mins = static_cast<const S*>(tile.mins);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -204,11 +249,13 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       if (mins != nullptr)
         _mm_prefetch(reinterpret_cast<const char*>(mins + (g + kAhead) * kTile), _MM_HINT_T0);
     }
-    __m512i isum[MR][2];  // per activation block of the group
+    // Two partial sums per row (the halves of the group), added once: exact either way,
+    // and two shorter dependency chains.
+    __m512i isum[MR][2];
     for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
-    const int64_t k0 = g * group;
+    const int64_t k0 = g * G;
     if constexpr (F == Format::kU4) {
-      // low nibbles: K 0..15 of the group (block 0); high nibbles: K 16..31 (block 1)
+      // low nibbles: K 0..15 of the group; high nibbles: K 16..31
       const uint8_t* w = tile.bytes + g * 256;
       for (int p = 0; p < 4; ++p) {
         const __m512i v = _mm512_loadu_si512(w + p * 64);
@@ -222,7 +269,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       }
     } else {
       const uint8_t* w = tile.bytes + k0 * 16;  // 64 bytes per 4 K values
-      for (int h = 0; h < blocks; ++h) {
+      for (int h = 0; h < halves; ++h) {
         for (int p = 4 * h; p < 4 * h + 4; ++p) {
           const __m512i v = _mm512_loadu_si512(w + p * 64);
           for (int r = 0; r < MR; ++r) {
@@ -236,17 +283,13 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
     __m512 mn = _mm512_setzero_ps();
     if (mins != nullptr) mn = load16(mins + g * kTile);
     for (int r = 0; r < MR; ++r) {
-      const int64_t at = (r0 + r) * (k / kBlock) + k0 / kBlock;
-      const float* d = x.d + at;
-      const int32_t* xs = x.xs + at;
-      for (int h = 0; h < blocks; ++h) {
-        __m512i exact = isum[r][h];
-        if constexpr (F == Format::kI8) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(128 * xs[h]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(s, _mm512_set1_ps(d[h])),
-                                 acc[r]);
-      }
+      __m512i exact = halves == 2 ? _mm512_add_epi32(isum[r][0], isum[r][1]) : isum[r][0];
+      if constexpr (F == Format::kI8)
+        exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(128 * x.sum<G>(r0 + r, g)));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
+                               _mm512_mul_ps(s, _mm512_set1_ps(x.scale<G>(r0 + r, g))), acc[r]);
       if (mins != nullptr)
-        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(group_min_scale(d, xs, blocks)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.group_min_scale<G>(r0 + r, g)), acc[r]);
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
@@ -258,8 +301,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes) {
-  constexpr int64_t group = G, blocks = G / kBlock;
-  const int64_t k = x.k, groups = k / group;
+  const int64_t k = x.k, groups = k / G;
   const S* scales = static_cast<const S*>(tile.scales);
   const S* mins = static_cast<const S*>(tile.mins);
   for (int r = 0; r < MR; ++r) {
@@ -267,31 +309,209 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
     for (int64_t lane = 0; lane < lanes; ++lane) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        const int64_t k0 = g * group, at = row * (k / kBlock) + k0 / kBlock;
-        const float s = scalar_of(scales[g * kTile + lane]);
-        for (int64_t h = 0; h < blocks; ++h) {
-          int32_t isum = 0;
-          for (int64_t i = 0; i < kBlock; ++i) {
-            const int64_t kk = k0 + h * kBlock + i;
-            int32_t q;
-            if constexpr (F == Format::kU4) {
-              const int64_t in_group = kk % 32, p = (in_group % 16) / 4, j = in_group % 4;
-              const uint8_t byte = tile.bytes[(kk / 32) * 256 + p * 64 + lane * 4 + j];
-              q = in_group < 16 ? (byte & 0x0F) : (byte >> 4);
-            } else {
-              q = static_cast<int32_t>(tile.bytes[(kk / 4) * 64 + lane * 4 + kk % 4]) - 128;
-            }
-            isum += q * x.q[row * k + kk];
+        int32_t isum = 0;
+        for (int64_t kk = g * G; kk < (g + 1) * G; ++kk) {
+          int32_t q;
+          if constexpr (F == Format::kU4) {
+            const int64_t in_group = kk % 32, p = (in_group % 16) / 4, j = in_group % 4;
+            const uint8_t byte = tile.bytes[(kk / 32) * 256 + p * 64 + lane * 4 + j];
+            q = in_group < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            q = static_cast<int32_t>(tile.bytes[(kk / 4) * 64 + lane * 4 + kk % 4]) - 128;
           }
-          acc = std::fma(static_cast<float>(isum), s * x.d[at + h], acc);
+          isum += q * x.q[row * k + kk];
         }
+        const float s = scalar_of(scales[g * kTile + lane]);
+        acc = std::fma(static_cast<float>(isum), s * x.scale<G>(row, g), acc);
         if (mins != nullptr)
-          acc = std::fma(scalar_of(mins[g * kTile + lane]),
-                         group_min_scale(x.d + at, x.xs + at, blocks), acc);
+          acc = std::fma(scalar_of(mins[g * kTile + lane]), x.group_min_scale<G>(row, g), acc);
       }
       out[r * out_stride + lane] = acc;
     }
   }
+}
+#endif
+
+#ifdef PAGEDLLM_AMX
+// ------------------------------------------------------------------ AMX
+// The same recipe with AMX tiles producing the integer sums (amx.h). For 16 rows of x and
+// one weight tile, TDPBSSD multiplies a weight group's activations (A: 16 rows x G int8)
+// by the group's G values of the 16 weight rows (B: G/4 rows x 64 bytes in VNNI order,
+// the layout of an i8 tile's vectors, and of a u4 group's nibbles once split) into int32
+// C [16, 16]. C is stored, and the float32 steps of tile_rows follow, lane-wise over the
+// 16 weight rows: the same bits as the VNNI path for every element.
+//
+// Used from kAmxMinRows rows of x: below that the VNNI path streams the weights once and
+// is faster (measured on one 3072 x 576 u4 weight: at 4 rows 0.9x, at 8 and more 1.3-2.3x).
+constexpr int64_t kAmxMinRows = 8;
+constexpr int64_t kTileBlock = 4;  // weight tiles whose B tiles are made and used together
+
+// The activations of one call regrouped for AMX, per chunk c of 16 rows (rows past M zero):
+//   q   int8  [chunks, K/G, 16 rows, G]   an A tile is 16 G contiguous bytes
+//   d   float [chunks, K/G, 16 rows]      group g's activation scale for the 16 rows
+//   md  float [chunks, K/G, 16 rows]      group g's min factor
+struct AmxRows {
+  const int8_t* q;
+  const float* d;
+  const float* md;
+  int64_t groups;
+};
+
+template <int G>
+AmxRows amx_rows(const QuantizedRows& x, int64_t m) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, md;
+  const int64_t groups = x.k / G, chunks = (m + kTile - 1) / kTile;
+  q.assign(chunks * groups * kTile * G, 0);
+  d.assign(chunks * groups * kTile, 0.f);
+  md.assign(chunks * groups * kTile, 0.f);
+  for (int64_t row = 0; row < m; ++row) {
+    const int64_t c = row / kTile, r = row % kTile;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (c * groups + g) * kTile + r;
+      std::memcpy(&q[at * G], x.q + row * x.k + g * G, G);
+      d[at] = x.scale<G>(row, g);
+      md[at] = x.group_min_scale<G>(row, g);
+    }
+  }
+  return {q.data(), d.data(), md.data(), groups};
+}
+
+// One weight tile's B tiles, int8 [K/G, G/4, 64] (signed: the exact q):
+//   u4: group g's 4 vectors of nibble pairs -> its low nibbles (K 0..15), then its high;
+//   i8: the tile's bytes hold q + 128, and q + 128 xor 128 is q as a signed byte.
+template <Format F>
+void weight_groups(const uint8_t* bytes, int64_t k, uint8_t* out) {
+  if constexpr (F == Format::kU4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < k / 32; ++g) {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(bytes + g * 256 + p * 64);
+        _mm512_store_si512(out + g * 512 + p * 64, _mm512_and_si512(v, nibble));
+        _mm512_store_si512(out + g * 512 + 256 + p * 64,
+                           _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+      }
+    }
+  } else {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t v = 0; v < k / 4; ++v)
+      _mm512_store_si512(out + v * 64, _mm512_xor_si512(_mm512_loadu_si512(bytes + v * 64), flip));
+  }
+}
+
+// One group's integer sums for 16 rows of x against one weight tile -> sums, int32 [16
+// rows, 16 lanes], through accumulator C, A tile TA and B tile TB (tile numbers are
+// instruction immediates).
+#define PAGEDLLM_GROUP_SUMS(C, TA, TB, a, b, G, sums) \
+  do {                                                \
+    _tile_zero(C);                                    \
+    PAGEDLLM_TILE_LOAD(TA, (a), G, kTile * G);        \
+    PAGEDLLM_TILE_LOAD(TB, (b), 64, G * 16);          \
+    _tile_dpbssd(C, TA, TB);                          \
+    PAGEDLLM_TILE_STORE(C, (sums));                   \
+  } while (0)
+
+// The rows of a chunk, for code that names one accumulator per row (see amx_tile_rows).
+#define PAGEDLLM_EACH_ROW(X) \
+  X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+
+// Chunk c of x (16 rows; MR of them computed, a multiple of 4) against one weight tile
+// whose B tiles are `wgroups`; the first `rows` rows are stored into out.
+//
+// The accumulators are 16 named variables, not an array: GCC keeps an array of 16 vectors
+// in memory, a load and a store at every update, which made the store port the limit
+// (25 against 14 ns per 16 x 16 x 32 block, measured).
+template <int G, int MR, typename S>
+void amx_tile_rows(const uint8_t* wgroups, const TileData& tile, const AmxRows& x, int64_t c,
+                   float* out, int64_t out_stride, int64_t lanes, int64_t rows) {
+  constexpr int64_t a_bytes = kTile * G, b_bytes = G * 16;  // per group
+  const int64_t groups = x.groups;
+  const S* scales = static_cast<const S*>(tile.scales);
+  const S* mins = static_cast<const S*>(tile.mins);
+  const int8_t* a = x.q + c * groups * a_bytes;
+  const float* d = x.d + c * groups * kTile;
+  const float* md = x.md + c * groups * kTile;
+  alignas(64) int32_t sums[2][256];  // [group parity][row * 16 + lane]
+#define PAGEDLLM_DECLARE(R) __m512 acc##R = _mm512_setzero_ps();
+  PAGEDLLM_EACH_ROW(PAGEDLLM_DECLARE)
+#undef PAGEDLLM_DECLARE
+  // Software pipeline: group g + 1 is multiplied (tiles 1/5/7 or 0/4/6) while the float
+  // steps of group g run.
+  PAGEDLLM_GROUP_SUMS(0, 4, 6, a, wgroups, G, sums[0]);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + 1 < groups) {
+      const int8_t* ag = a + (g + 1) * a_bytes;
+      const uint8_t* bg = wgroups + (g + 1) * b_bytes;
+      if ((g + 1) & 1) PAGEDLLM_GROUP_SUMS(1, 5, 7, ag, bg, G, sums[1]);
+      else PAGEDLLM_GROUP_SUMS(0, 4, 6, ag, bg, G, sums[0]);
+    }
+    const int32_t* group_sums = sums[g & 1];
+    const __m512 s = load16(scales + g * kTile);
+    const float* dg = d + g * kTile;
+#define PAGEDLLM_SCALE(R)                                                                   \
+  if constexpr (R < MR)                                                                     \
+    acc##R = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(group_sums + R * 16)),   \
+                             _mm512_mul_ps(s, _mm512_set1_ps(dg[R])), acc##R);
+    PAGEDLLM_EACH_ROW(PAGEDLLM_SCALE)
+#undef PAGEDLLM_SCALE
+    if (mins != nullptr) {
+      const __m512 mn = load16(mins + g * kTile);
+      const float* mdg = md + g * kTile;
+#define PAGEDLLM_MIN(R) \
+  if constexpr (R < MR) acc##R = _mm512_fmadd_ps(mn, _mm512_set1_ps(mdg[R]), acc##R);
+      PAGEDLLM_EACH_ROW(PAGEDLLM_MIN)
+#undef PAGEDLLM_MIN
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+#define PAGEDLLM_STORE(R) \
+  if constexpr (R < MR)   \
+    if (R < rows) _mm512_mask_storeu_ps(out + R * out_stride, mask, acc##R);
+  PAGEDLLM_EACH_ROW(PAGEDLLM_STORE)
+#undef PAGEDLLM_STORE
+}
+
+template <Format F, int G, typename S>
+void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const Tensor& scales,
+                const Tensor& mins, int64_t n, float* out) {
+  const int64_t k = qx.k, num_tiles = tiles.size(0), groups = k / G;
+  const int64_t tile_bytes = tiles.numel() / num_tiles;
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  const S* sp = scales.data_ptr<S>();
+  const S* mp = mins.numel() > 0 ? mins.data_ptr<S>() : nullptr;
+  const AmxRows x = amx_rows<G>(qx, m);
+  parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    amx::configure_thread(G);
+    // B tiles of kTileBlock weight tiles at a time (K * 16 bytes each), 64-byte aligned:
+    // they stay in cache while every chunk of x passes them, and a chunk's A tiles stay in
+    // cache across the block.
+    thread_local std::vector<uint8_t> storage;
+    const int64_t block_bytes = kTileBlock * k * kTile;
+    if (static_cast<int64_t>(storage.size()) < block_bytes + 64) storage.resize(block_bytes + 64);
+    uint8_t* wgroups = reinterpret_cast<uint8_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
+    for (int64_t t0 = begin; t0 < end; t0 += kTileBlock) {
+      const int64_t t1 = std::min(end, t0 + kTileBlock);
+      for (int64_t t = t0; t < t1; ++t) weight_groups<F>(tp + t * tile_bytes, k, wgroups + (t - t0) * k * kTile);
+      for (int64_t c = 0; c * kTile < m; ++c) {
+        const int64_t rows = std::min(kTile, m - c * kTile);
+        for (int64_t t = t0; t < t1; ++t) {
+          const TileData tile{tp + t * tile_bytes, sp + t * groups * kTile,
+                              mp != nullptr ? mp + t * groups * kTile : nullptr};
+          const uint8_t* b = wgroups + (t - t0) * k * kTile;
+          const int64_t lanes = std::min(kTile, n - t * kTile);
+          float* o = out + c * kTile * n + t * kTile;
+          switch ((rows + 3) / 4) {
+            case 4: amx_tile_rows<G, 16, S>(b, tile, x, c, o, n, lanes, rows); break;
+            case 3: amx_tile_rows<G, 12, S>(b, tile, x, c, o, n, lanes, rows); break;
+            case 2: amx_tile_rows<G, 8, S>(b, tile, x, c, o, n, lanes, rows); break;
+            default: amx_tile_rows<G, 4, S>(b, tile, x, c, o, n, lanes, rows); break;
+          }
+        }
+      }
+    }
+    amx::release_thread();
+  });
 }
 #endif
 
@@ -303,6 +523,12 @@ void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const 
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   const S* mp = mins.numel() > 0 ? mins.data_ptr<S>() : nullptr;
+#ifdef PAGEDLLM_AMX
+  if (m >= kAmxMinRows && amx::enabled()) {
+    amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, out);
+    return;
+  }
+#endif
   parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
       const int64_t c1 = std::min(m, c0 + kRowChunk);
@@ -478,7 +704,7 @@ Tensor tiled_rows(const Tensor& ids_in, const Tensor& tiles, const Tensor& scale
   return out;
 }
 
-// x [M, K] float32 -> (qx int8 [M, K], d float32 [M, K/16], xs int32 [M, K/16]): the
+// x [M, K] float32 -> (qx int8 [M, K], d float32 [M, K/32], xs int32 [M, K/16]): the
 // activation quantization every packed linear applies (for tests).
 std::tuple<Tensor, Tensor, Tensor> quantize_activations_op(const Tensor& x_in) {
   Tensor x = x_in.to(at::kFloat).contiguous();
@@ -487,10 +713,10 @@ std::tuple<Tensor, Tensor, Tensor> quantize_activations_op(const Tensor& x_in) {
   const QuantizedRows q = quantize_activations(x);
   Tensor qx = at::empty({m, k}, x.options().dtype(at::kChar));
   Tensor d = at::empty({m, k / kBlock}, x.options());
-  Tensor xs = at::empty({m, k / kBlock}, x.options().dtype(at::kInt));
+  Tensor xs = at::empty({m, k / kHalf}, x.options().dtype(at::kInt));
   std::memcpy(qx.data_ptr<int8_t>(), q.q, m * k);
   std::memcpy(d.data_ptr<float>(), q.d, m * (k / kBlock) * sizeof(float));
-  std::memcpy(xs.data_ptr<int32_t>(), q.xs, m * (k / kBlock) * sizeof(int32_t));
+  std::memcpy(xs.data_ptr<int32_t>(), q.xs, m * (k / kHalf) * sizeof(int32_t));
   return {qx, d, xs};
 }
 
@@ -519,4 +745,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         "int k, bool is_u4) -> Tensor", &pagedllm::tiled_rows);
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)",
         &pagedllm::quantize_activations_op);
+  // Whether the packed linears use AMX int8 tiles for batches (same bits either way).
+  m.def("amx_enabled() -> bool", []() { return pagedllm::amx::enabled(); });
+  m.def("set_amx_enabled(bool enabled) -> bool",
+        [](bool enabled) { return pagedllm::amx::set_enabled(enabled); });
 }
