@@ -85,6 +85,11 @@ def load() -> bool:
         return bool(_state["loaded"])
 
 
+def is_loaded() -> bool:
+    """True when an earlier load() put the kernels in this process (never builds)."""
+    return bool(_state.get("loaded", False))
+
+
 def load_error() -> str | None:
     """Why the kernels are not loaded (None when they are, or were never asked for)."""
     return _state.get("error")  # type: ignore[return-value]

@@ -197,6 +197,18 @@ def test_rotary_in_place_on_views_of_a_qkv_row(heads, kv_heads, head_dim):
     torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
 
 
+def test_argmax_rows_is_torch_max_indices():
+    """The sampler's greedy pick: the first maximum, a NaN counting as the maximum."""
+    x = torch.randn(9, 1000, generator=torch.Generator().manual_seed(3))
+    x[1, 10] = x[1, 700] = 50.0  # a tie: the first one
+    x[2, 999] = float("inf")
+    x[3, 500] = x[3, 20] = float("nan")
+    x[4] = 0.0
+    x[5, 3] = float("nan")
+    for rows in (x, x[:, :17], x[:, :1]):
+        assert torch.equal(ops().argmax_rows(rows), rows.max(dim=-1).indices)
+
+
 def test_gated_activations():
     x = torch.randn(6, 2 * 40) * 3
     gate, up = x.chunk(2, dim=-1)
@@ -300,10 +312,12 @@ def test_paged_attention_rows_read_the_cache_in_place(
     assert not out[cu[2] : cu[3]].isnan().any() and out[: cu[2]].isnan().all()
 
 
-def test_attention_rows_do_not_depend_on_how_the_prompt_was_split():
+@pytest.mark.parametrize("soft_cap", [0.0, 5.0])
+def test_attention_rows_do_not_depend_on_how_the_prompt_was_split(soft_cap):
     """A row's output is bitwise the same computed in a 70-row prompt, in chunks of any
-    size, or alone as a decode row: what makes chunked prefill, prefix caching, preemption
-    and speculative decoding leave every token unchanged on the fast path."""
+    size, or alone as a decode row (few rows read the cache in place, more share a float32
+    copy of each chunk): what makes chunked prefill, prefix caching, preemption and
+    speculative decoding leave every token unchanged on the fast path."""
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block_size, length = 6, 2, 64, 16, 70
     blocks = torch.randperm(12, generator=g)[:5].to(torch.int32)
@@ -320,15 +334,18 @@ def test_attention_rows_do_not_depend_on_how_the_prompt_was_split():
         ops().paged_attention_rows_(
             q[first_row : first_row + rows], k_cache, v_cache, out, torch.tensor([0]),
             torch.tensor([0, rows], dtype=torch.int32),
-            torch.tensor([first_row + rows], dtype=torch.int32), blocks[None], scale, 0, 0.0,
+            torch.tensor([first_row + rows], dtype=torch.int32), blocks[None], scale, 0,
+            soft_cap,
         )  # fmt: skip
         return out
 
     whole = attend(0, length)
-    for cut in (1, 15, 16, 17, 63, 64, 65, 69):
+    for cut in (1, 3, 4, 5, 15, 16, 17, 63, 64, 65, 69):
         assert torch.equal(torch.cat([attend(0, cut), attend(cut, length - cut)]), whole)
     for row in (0, 5, 63, 64, 69):
         assert torch.equal(attend(row, 1), whole[row : row + 1])
+        if row + 2 <= length:
+            assert torch.equal(attend(row, 2), whole[row : row + 2])
 
 
 def test_the_kernel_thread_pool_serves_several_callers_and_forked_children():

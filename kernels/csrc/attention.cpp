@@ -22,9 +22,11 @@
 // tokens, or computed inside a prompt chunk of any size, and whether its prefix came from
 // the prefix cache or was just computed.
 //
-// Work items are (sequence, KV head, block of up to kQueryBlock query rows): each chunk
-// of keys is loaded (and widened to float32, keys transposed) once per item and used by
-// all its rows and all G = Hq / Hkv query heads of the KV head. The G heads of one row see
+// Work items are (sequence, KV head, block of up to kQueryBlock query rows). An item of a
+// few rows (decode, speculative verification) reads each chunk's keys and values in place
+// from the cache, widening bf16 as it goes; a larger one (prefill) loads each chunk once
+// into float32 scratch (keys transposed) for all its rows. Either way every chunk serves
+// all G = Hq / Hkv query heads of the KV head, and the arithmetic is the same. The G heads of one row see
 // the same keys, so they are attended together, up to kGroup at a time: they share each
 // key and value load and interleave their dependency chains, while every vector still runs
 // exactly its own sequence of operations (the same bits as one at a time).
@@ -37,37 +39,10 @@ namespace {
 constexpr int64_t kChunk = 64;
 constexpr int64_t kQueryBlock = 16;
 constexpr int kGroup = 4;  // query vectors attended together (their scores stay in registers)
+constexpr int64_t kInPlaceRows = 4;  // items of up to this many rows read the cache in place
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #ifdef PAGEDLLM_AVX512
-// e^x for x <= 0 (scores minus their max), 1-2 ulp: 2^n * p(r), x = n ln2 + r. e^-inf = 0.
-inline __m512 exp512(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(-87.0f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lowest);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(~underflow, _mm512_scalef_ps(p, n));
-}
-
-// tanh(x) = 1 - 2 / (e^{2x} + 1), through exp512 on -2|x| (<= 0), sign restored.
-inline __m512 tanh512(__m512 x) {
-  const __m512 sign = _mm512_and_ps(x, _mm512_set1_ps(-0.0f));
-  const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.0f)));
-  const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e),
-                                 _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-  return _mm512_or_ps(t, sign);
-}
-
 inline float exp_scalar(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
 #else
 inline float exp_scalar(float x) { return x == kNegInf ? 0.f : std::exp(x); }
@@ -207,29 +182,23 @@ inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo
 }
 
 #ifdef PAGEDLLM_AVX512
-// NV query vectors (each d floats, one after another in q, already scaled) with the same
-// visible lanes [lo, hi) against the loaded chunk: for each vector the operations of
-// attend_chunk, in its order (so the same bits), with the loads of keys and values shared.
-// running_max, running_sum: [NV]; acc: [NV][d]; probs: [NV][kChunk] scratch. d % 16 == 0.
+// 16 cache values from p in float32 (bf16 widens exactly: a 16-bit shift).
+inline __m512 load16_float(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_float(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The online-softmax step of NV query vectors after their scores of one chunk: soft cap,
+// mask to the visible lanes [lo, hi), new max, probabilities (into probs [NV][kChunk]),
+// running sums; corr[v] is the factor their outputs are rescaled by.
 template <int NV>
-inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
-                               int64_t hi, double soft_cap, float* running_max,
-                               float* running_sum, float* acc, float* probs) {
+inline void softmax_chunk(__m512 (&scores)[NV][kChunk / 16], int64_t lo, int64_t hi,
+                          double soft_cap, float* running_max, float* running_sum,
+                          float* probs, __m512 (&corr)[NV]) {
   constexpr int kT = kChunk / 16;
-  __m512 scores[NV][kT];
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_setzero_ps();
-  for (int64_t x = 0; x < d; ++x) {
-    __m512 keys[kT];
-    for (int t = 0; t < kT; ++t) keys[t] = _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t);
-    for (int v = 0; v < NV; ++v) {
-      const __m512 qx = _mm512_set1_ps(q[v * d + x]);
-      for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_fmadd_ps(qx, keys[t], scores[v][t]);
-    }
-  }
   const __m512i lane0 =
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 corr[NV];
   for (int v = 0; v < NV; ++v) {
     __m512 chunk_max = _mm512_set1_ps(running_max[v]);
     for (int t = 0; t < kT; ++t) {
@@ -257,20 +226,106 @@ inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int6
     running_max[v] = new_max;
     corr[v] = _mm512_set1_ps(correction);
   }
+}
+
+// acc[v] = acc[v] * corr[v], then acc[v] += probs[v][key] * value(key) for the keys lo..hi
+// in order, for NV vectors of d floats. value(key) points at the key's d values (float32
+// scratch or the cache itself). The accumulators of a slice of 64 dimensions (W = 4
+// vectors; W = 1 for the rest) stay in registers over all the keys.
+template <int NV, int W, typename CacheT, typename ValueAt>
+inline void accumulate_slice(float* acc, int64_t d, int64_t x0, const float* probs,
+                             const __m512 (&corr)[NV], int64_t lo, int64_t hi,
+                             const ValueAt& value) {
+  __m512 a[NV][W];
   for (int v = 0; v < NV; ++v)
-    for (int64_t x = 0; x < d; x += 16)
-      _mm512_storeu_ps(acc + v * d + x, _mm512_mul_ps(_mm512_loadu_ps(acc + v * d + x), corr[v]));
+    for (int w = 0; w < W; ++w)
+      a[v][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + v * d + x0 + 16 * w), corr[v]);
   for (int64_t key = lo; key < hi; ++key) {
-    const float* val = s.values.data() + key * d;
-    __m512 p[NV];
-    for (int v = 0; v < NV; ++v) p[v] = _mm512_set1_ps(probs[v * kChunk + key]);
-    for (int64_t x = 0; x < d; x += 16) {
-      const __m512 vx = _mm512_loadu_ps(val + x);
-      for (int v = 0; v < NV; ++v)
-        _mm512_storeu_ps(acc + v * d + x,
-                         _mm512_fmadd_ps(p[v], vx, _mm512_loadu_ps(acc + v * d + x)));
+    const CacheT* val = value(key) + x0;
+    __m512 vx[W];
+    for (int w = 0; w < W; ++w) vx[w] = load16_float(val + 16 * w);
+    for (int v = 0; v < NV; ++v) {
+      const __m512 p = _mm512_set1_ps(probs[v * kChunk + key]);
+      for (int w = 0; w < W; ++w) a[v][w] = _mm512_fmadd_ps(p, vx[w], a[v][w]);
     }
   }
+  for (int v = 0; v < NV; ++v)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + v * d + x0 + 16 * w, a[v][w]);
+}
+
+template <int NV, typename CacheT, typename ValueAt>
+inline void accumulate_values(float* acc, int64_t d, const float* probs,
+                              const __m512 (&corr)[NV], int64_t lo, int64_t hi,
+                              const ValueAt& value) {
+  int64_t x0 = 0;
+  for (; x0 + 64 <= d; x0 += 64) accumulate_slice<NV, 4, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+  for (; x0 < d; x0 += 16) accumulate_slice<NV, 1, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+}
+
+// NV query vectors (each d floats, one after another in q, already scaled) with the same
+// visible lanes [lo, hi) against the chunk loaded in scratch: for each vector the
+// operations of attend_chunk, in its order (so the same bits), with the loads of keys and
+// values shared. running_max, running_sum: [NV]; acc: [NV][d]; probs: [NV][kChunk]
+// scratch. d % 16 == 0.
+template <int NV>
+inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
+                               int64_t hi, double soft_cap, float* running_max,
+                               float* running_sum, float* acc, float* probs) {
+  constexpr int kT = kChunk / 16;
+  __m512 scores[NV][kT];
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < d; ++x) {
+    __m512 keys[kT];
+    for (int t = 0; t < kT; ++t) keys[t] = _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t);
+    for (int v = 0; v < NV; ++v) {
+      const __m512 qx = _mm512_set1_ps(q[v * d + x]);
+      for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_fmadd_ps(qx, keys[t], scores[v][t]);
+    }
+  }
+  __m512 corr[NV];
+  softmax_chunk<NV>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  const float* values = s.values.data();
+  accumulate_values<NV, float>(acc, d, probs, corr, lo, hi,
+                               [&](int64_t key) { return values + key * d; });
+}
+
+// The same for a chunk read in place from the cache, with no scratch: for rows that see a
+// chunk once (decode, speculative verification), widening keys and values into scratch
+// would cost more than the attention itself. Needs block_size % 16 == 0, so that each
+// group of 16 lanes (t) lies in one block; groups with no visible lane are not read (their
+// scores are masked to -inf either way: the same bits as the scratch path).
+template <int NV, typename CacheT>
+inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const CacheT* v_cache,
+                                  const int32_t* table, const Geometry& geo, int64_t kv_head,
+                                  int64_t start, int64_t lo, int64_t hi, double soft_cap,
+                                  float* running_max, float* running_sum, float* acc,
+                                  float* probs) {
+  constexpr int kT = kChunk / 16;
+  const int64_t d = geo.head_dim, bs = geo.block_size;
+  auto position_at = [&](int64_t pos) {  // element offset of position pos's keys / values
+    return static_cast<int64_t>(table[pos / bs]) * geo.block_stride + kv_head * geo.head_stride +
+           pos % bs;
+  };
+  __m512 scores[NV][kT];
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_setzero_ps();
+  for (int t = 0; t < kT; ++t) {
+    if (16 * t + 16 <= lo || 16 * t >= hi) continue;
+    const CacheT* keys = k_cache + position_at(start + 16 * t);  // [D][bs], 16 lanes here
+    for (int64_t x = 0; x < d; ++x) {
+      const __m512 key = load16_float(keys + x * bs);
+      for (int v = 0; v < NV; ++v)
+        scores[v][t] = _mm512_fmadd_ps(_mm512_set1_ps(q[v * d + x]), key, scores[v][t]);
+    }
+  }
+  __m512 corr[NV];
+  softmax_chunk<NV>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  accumulate_values<NV, CacheT>(acc, d, probs, corr, lo, hi, [&](int64_t key) {
+    const int64_t pos = start + key;
+    return v_cache + static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
+           kv_head * geo.head_stride + (pos % bs) * d;
+  });
 }
 #endif
 
@@ -300,6 +355,34 @@ inline void attend_row_chunk(Scratch& s, int64_t first, int64_t count, int64_t d
                  s.acc.data() + v * d, s.probs.data());
 }
 
+#ifdef PAGEDLLM_AVX512
+// attend_row_chunk for a chunk read in place (attend_chunk_in_place).
+template <typename CacheT>
+inline void attend_row_in_place(Scratch& s, int64_t first, int64_t count, const CacheT* k_cache,
+                                const CacheT* v_cache, const int32_t* table, const Geometry& geo,
+                                int64_t kv_head, int64_t start, int64_t lo, int64_t hi,
+                                double soft_cap) {
+  const int64_t d = geo.head_dim;
+  for (int64_t v = first; v < first + count; v += kGroup) {
+    const float* q = s.q.data() + v * d;
+    float* acc = s.acc.data() + v * d;
+    float* maxs = s.maxs.data() + v;
+    float* sums = s.sums.data() + v;
+    float* probs = s.probs.data();
+#define PAGEDLLM_IN_PLACE(NV)                                                                  \
+  attend_chunk_in_place<NV>(q, k_cache, v_cache, table, geo, kv_head, start, lo, hi, soft_cap, \
+                            maxs, sums, acc, probs)
+    switch (std::min<int64_t>(kGroup, first + count - v)) {
+      case 4: PAGEDLLM_IN_PLACE(4); break;
+      case 3: PAGEDLLM_IN_PLACE(3); break;
+      case 2: PAGEDLLM_IN_PLACE(2); break;
+      default: PAGEDLLM_IN_PLACE(1); break;
+    }
+#undef PAGEDLLM_IN_PLACE
+  }
+}
+#endif
+
 template <typename CacheT>
 void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const CacheT* v_cache,
                  float* op, const int32_t* cu, const int32_t* lens, const int32_t* tables,
@@ -325,13 +408,27 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
       s.q[r * g_count * d + i] = src[i] * static_cast<float>(scale);
   }
   const int32_t* table = tables + b * geo.max_blocks;
+  // Few rows read each chunk in place; more share one float32 copy of it.
+#ifdef PAGEDLLM_AVX512
+  const bool in_place = item.num_rows <= kInPlaceRows && geo.block_size % 16 == 0 && d % 16 == 0;
+#else
+  const bool in_place = false;
+#endif
   for (int64_t start = (lowest / kChunk) * kChunk; start <= highest; start += kChunk) {
-    load_chunk(k_cache, v_cache, table, geo, h, start, std::max(start, lowest),
-               std::min(start + kChunk, highest + 1), s);
+    if (!in_place)
+      load_chunk(k_cache, v_cache, table, geo, h, start, std::max(start, lowest),
+                 std::min(start + kChunk, highest + 1), s);
     for (int64_t r = 0; r < item.num_rows; ++r) {
       const int64_t lo = std::max(first[r], start) - start;
       const int64_t hi = std::min(last[r] + 1, start + kChunk) - start;
       if (lo >= hi) continue;  // none of this chunk's keys is visible to this row
+#ifdef PAGEDLLM_AVX512
+      if (in_place) {
+        attend_row_in_place(s, r * g_count, g_count, k_cache, v_cache, table, geo, h, start, lo,
+                            hi, soft_cap);
+        continue;
+      }
+#endif
       attend_row_chunk(s, r * g_count, g_count, d, lo, hi, soft_cap);
     }
   }

@@ -44,6 +44,36 @@ inline float reduce16(__m512 v) {
 }
 #endif
 
+#ifdef PAGEDLLM_AVX512
+// e^x, 1-2 ulp: 2^n * p(r), x = n ln2 + r (e^-inf = 0, large x overflows to inf).
+inline __m512 exp512(__m512 x) {
+  const __m512 lowest = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lowest);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(~underflow, _mm512_scalef_ps(p, n));
+}
+
+// tanh(x) = 1 - 2 / (e^{2x} + 1), through exp512 on -2|x| (<= 0), sign restored.
+inline __m512 tanh512(__m512 x) {
+  const __m512 sign = _mm512_and_ps(x, _mm512_set1_ps(-0.0f));
+  const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.0f)));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e),
+                                 _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  return _mm512_or_ps(t, sign);
+}
+#endif
+
 inline void check_cpu_contiguous(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");

@@ -90,6 +90,20 @@ void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& c
 }
 
 // ------------------------------------------------------------- activation
+// silu(g) * u and gelu_tanh(g) * u, the scalar forms of the vector code below.
+#ifdef PAGEDLLM_AVX512
+inline float exp_of(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
+inline float tanh_of(float x) { return _mm512_cvtss_f32(tanh512(_mm512_set1_ps(x))); }
+#else
+inline float exp_of(float x) { return std::exp(x); }
+inline float tanh_of(float x) { return std::tanh(x); }
+#endif
+constexpr float kGeluK0 = 0.7978845608028654f, kGeluK1 = 0.044715f;  // sqrt(2/pi)
+inline float silu_times(float g, float u) { return (g / (1.0f + exp_of(-g))) * u; }
+inline float gelu_times(float g, float u) {
+  return 0.5f * g * (1.0f + tanh_of(kGeluK0 * (g + kGeluK1 * g * g * g))) * u;
+}
+
 // x [T, 2I] = [gate | up] -> silu(gate) * up  [T, I]  (gelu_tanh when `gelu` is set)
 Tensor gated_act(const Tensor& x_in, bool gelu) {
   Tensor x = x_in.contiguous();
@@ -103,18 +117,27 @@ Tensor gated_act(const Tensor& x_in, bool gelu) {
       const float* gate = xp + r * 2 * inner;
       const float* up = gate + inner;
       float* o = op + r * inner;
-      if (gelu) {
-        const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2/pi)
-        for (int64_t i = 0; i < inner; ++i) {
-          const float g = gate[i];
-          o[i] = 0.5f * g * (1.0f + std::tanh(k0 * (g + k1 * g * g * g))) * up[i];
+      int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+      // The scalar expressions lane-wise, in the same order (so the tail agrees).
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= inner; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i), u = _mm512_loadu_ps(up + i);
+        __m512 y;
+        if (gelu) {
+          const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(kGeluK1), g), g), g);
+          const __m512 inner_arg = _mm512_mul_ps(_mm512_set1_ps(kGeluK0), _mm512_add_ps(g, cube));
+          y = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g),
+                                          _mm512_add_ps(one, tanh512(inner_arg))),
+                            u);
+        } else {
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+          y = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u);
         }
-      } else {
-        for (int64_t i = 0; i < inner; ++i) {
-          const float g = gate[i];
-          o[i] = (g / (1.0f + std::exp(-g))) * up[i];
-        }
+        _mm512_storeu_ps(o + i, y);
       }
+#endif
+      for (; i < inner; ++i) o[i] = gelu ? gelu_times(gate[i], up[i]) : silu_times(gate[i], up[i]);
     }
   });
   return out;
@@ -161,6 +184,52 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
   });
 }
 
+// ----------------------------------------------------------------- argmax
+// x [R, V] float32 -> int64 [R]: the index of each row's first maximum, as torch's
+// max(dim=-1).indices (a NaN counts as the maximum: the first NaN's index).
+Tensor argmax_rows(const Tensor& x_in) {
+  Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax_rows needs float32 [R, V] with V > 0");
+  const int64_t rows = x.size(0), v = x.size(1);
+  Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * v;
+      float best = row[0];
+      bool nan = std::isnan(best);
+      int64_t i = 1;
+#ifdef PAGEDLLM_AVX512
+      // Pass 1: the maximum (and whether there is a NaN), 16 lanes at a time.
+      __m512 m = _mm512_set1_ps(best);
+      __mmask16 unordered = 0;
+      for (; i + 16 <= v; i += 16) {
+        const __m512 y = _mm512_loadu_ps(row + i);
+        unordered |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, y);
+      }
+      nan = nan || unordered != 0;
+      best = std::max(best, _mm512_reduce_max_ps(m));
+#endif
+      for (; i < v; ++i) {
+        nan = nan || std::isnan(row[i]);
+        best = std::max(best, row[i]);
+      }
+      // Pass 2: the first index holding it (or the first NaN).
+      int64_t at = 0;
+      if (nan) {
+        while (!std::isnan(row[at])) ++at;
+      } else {
+        while (row[at] != best) ++at;
+      }
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace api {
@@ -189,6 +258,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()",
         &pagedllm::rotary_neox_);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &pagedllm::gated_act);
+  m.def("argmax_rows(Tensor x) -> Tensor", &pagedllm::argmax_rows);
   m.def(
       "write_kv_cache_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()",
