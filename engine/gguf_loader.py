@@ -204,9 +204,16 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: list[GGUFTensorInfo]
     mapping: mmap.mmap | None = None  # the file, read-only
+    released: int = 0  # bytes of the mapping, from its start, whose pages have been dropped
 
     def release(self, tensor: GGUFTensorInfo) -> None:
-        """Drop the resident pages of a tensor's bytes (after they have been copied).
+        """Drop the resident pages of the file up to the end of a tensor's bytes (after
+        they have been copied; tensors are taken in file order).
+
+        Everything before the tensor goes too, not only its own bytes: the kernel maps the
+        page cache around each fault (fault-around, and whole large folios), so reading
+        one tensor maps pages of its neighbours, released or not yet read. Dropping only
+        each tensor's own range left ~50 MiB of the 94 MiB default model resident.
 
         The mapping is read-only and backed by the file, so a later read of the same bytes
         (a view still held somewhere) simply faults them in again: this costs no
@@ -214,9 +221,16 @@ class GGUFFile:
         if self.mapping is None or tensor.nbytes == 0:
             return
         page = mmap.PAGESIZE
-        start = tensor.offset // page * page
-        end = -(-(tensor.offset + tensor.nbytes) // page) * page
-        self.mapping.madvise(mmap.MADV_DONTNEED, start, min(end, len(self.mapping)) - start)
+        end = min(-(-(tensor.offset + tensor.nbytes) // page) * page, len(self.mapping))
+        if end > self.released:
+            self.mapping.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
+            self.released = end
+
+    def release_all(self) -> None:
+        """Drop every resident page of the file (the load is over)."""
+        if self.mapping is not None and len(self.mapping):
+            self.mapping.madvise(mmap.MADV_DONTNEED, 0, len(self.mapping))
+            self.released = len(self.mapping)
 
 
 _SCALARS = {  # GGUF value type -> struct format
@@ -298,6 +312,12 @@ def read_gguf(path: Path) -> GGUFFile:
         else:
             data = data.reshape(rows, row_bytes)
         tensors.append(GGUFTensorInfo(name, qtype.name, dims, data, begin, rows * row_bytes))
+    # The nested readers form a reference cycle (`value` calls itself through its closure)
+    # that holds `buffer`, and through it the mapping, until the cyclic garbage collector
+    # happens to run: after a load that kept the file's pages mapped (~50 MiB resident for
+    # the default model) for the engine's life. Released here, the mapping lives exactly as
+    # long as the GGUFFile and the tensor views taken from it.
+    buffer.release()
     return GGUFFile(metadata, tensors, mapping)
 
 
@@ -322,6 +342,8 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | GGUFTe
                 continue
             yield hf_name, value
         gguf_file.release(tensor)
+    # Pages a consumer faulted in again (a view it read after its tensor was released).
+    gguf_file.release_all()
 
 
 def _tensor_value(tensor: GGUFTensorInfo) -> torch.Tensor | GGUFTensor:
