@@ -130,3 +130,29 @@ def test_a_second_engine_gets_the_full_kv_budget_after_close():
         assert second.engine.num_total_blocks() >= 0.97 * blocks
     finally:
         second.close()
+
+
+def _mapped(path: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(path) for line in maps)
+
+
+def test_the_gguf_file_is_unmapped_once_its_weights_are_read():
+    """The file's mapping goes with the last tensor taken from it, without waiting for the
+    cyclic garbage collector (which a busy engine may not run for its whole life: the
+    default model's file then stayed ~50 MiB resident)."""
+    from pagedllm_integrations.engine.gguf_loader import iter_gguf_weights
+    from pagedllm_integrations.engine.model_loader import default_model_path, resolve_model
+
+    path = str(default_model_path().resolve())
+    folder = resolve_model(None).folder
+    gc.disable()
+    try:
+        weights = iter_gguf_weights(folder)
+        next(weights)
+        assert _mapped(path)
+        for _ in weights:
+            pass
+        assert not _mapped(path)
+    finally:
+        gc.enable()
