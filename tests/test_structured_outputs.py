@@ -327,12 +327,13 @@ def test_regex_choice_and_json_object(default_llm):
         )
         checks.append(lambda text, o=options: text in o)
     # Free-form JSON has no length bound and this small model, sampled (or greedy on some
-    # prompts, such as describing the weather), can nest or repeat past any budget; greedy
-    # on prompts it answers briefly on both the fast path and the float32 path.
+    # prompts, such as describing the weather, or the capital of France on the fast path),
+    # can nest or repeat past any budget; greedy on prompts it answers briefly on both the
+    # fast path and the float32 path.
     for request in (
         "Return a JSON object with a person's name and age.",
         "Give the boiling point of water in Celsius as JSON.",
-        "Give the capital of France as JSON.",
+        "Return a JSON object with a city's name and country.",
     ):
         prompts.append(chat_ids(llm, request))
         params.append(

@@ -91,17 +91,20 @@ void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& c
 
 // ------------------------------------------------------------- activation
 // silu(g) * u and gelu_tanh(g) * u, the scalar forms of the vector code below.
+//   silu(g)      = g / (1 + e^-g)
+//   gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g / (1 + e^-2z),  z = sqrt(2/pi) (g + 0.044715 g^3)
+// The second form is the same function without the cancellation of 1 + tanh(z) as
+// tanh(z) nears -1 (where torch's form loses most of its digits).
 #ifdef PAGEDLLM_AVX512
 inline float exp_of(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
-inline float tanh_of(float x) { return _mm512_cvtss_f32(tanh512(_mm512_set1_ps(x))); }
 #else
 inline float exp_of(float x) { return std::exp(x); }
-inline float tanh_of(float x) { return std::tanh(x); }
 #endif
 constexpr float kGeluK0 = 0.7978845608028654f, kGeluK1 = 0.044715f;  // sqrt(2/pi)
 inline float silu_times(float g, float u) { return (g / (1.0f + exp_of(-g))) * u; }
 inline float gelu_times(float g, float u) {
-  return 0.5f * g * (1.0f + tanh_of(kGeluK0 * (g + kGeluK1 * g * g * g))) * u;
+  const float minus_2z = -2.0f * (kGeluK0 * (g + kGeluK1 * g * g * g));
+  return (g / (1.0f + exp_of(minus_2z))) * u;
 }
 
 // x [T, 2I] = [gate | up] -> silu(gate) * up  [T, I]  (gelu_tanh when `gelu` is set)
@@ -123,17 +126,15 @@ Tensor gated_act(const Tensor& x_in, bool gelu) {
       const __m512 one = _mm512_set1_ps(1.0f);
       for (; i + 16 <= inner; i += 16) {
         const __m512 g = _mm512_loadu_ps(gate + i), u = _mm512_loadu_ps(up + i);
-        __m512 y;
+        __m512 minus;  // the exponent: -g (silu) or -2z (gelu_tanh)
         if (gelu) {
           const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(kGeluK1), g), g), g);
-          const __m512 inner_arg = _mm512_mul_ps(_mm512_set1_ps(kGeluK0), _mm512_add_ps(g, cube));
-          y = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g),
-                                          _mm512_add_ps(one, tanh512(inner_arg))),
-                            u);
+          const __m512 z = _mm512_mul_ps(_mm512_set1_ps(kGeluK0), _mm512_add_ps(g, cube));
+          minus = _mm512_mul_ps(_mm512_set1_ps(-2.0f), z);
         } else {
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-          y = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u);
+          minus = _mm512_sub_ps(_mm512_setzero_ps(), g);
         }
+        const __m512 y = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp512(minus))), u);
         _mm512_storeu_ps(o + i, y);
       }
 #endif
