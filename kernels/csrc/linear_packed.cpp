@@ -15,8 +15,8 @@
 //
 // Blocks of 32 make a weight group of 32 one integer sum and one float step: AMX computes
 // it with one tile multiply, and half as many float steps follow as with blocks of 16.
-// Perplexity costs +0.37% against float32 dequantization on SmolLM2 Q4_1 (+0.22% with
-// blocks of 16, which ran at half the speed on batches; BENCHMARKS.md).
+// Perplexity costs +0.28% against float32 dequantization on SmolLM2 Q4_1 (+0.22% with
+// blocks of 16, which AMX could not speed up; BENCHMARKS.md).
 //
 // The integer sums are exact, and every kernel below runs the same float32 operations in
 // the same order for an output element, whatever the batch size or the thread split: a
