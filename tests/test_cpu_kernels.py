@@ -407,3 +407,40 @@ def test_attending_query_heads_together_gives_each_head_alone_bits(group):
     copies = fast_layout(k1.expand(-1, -1, group, -1), v1.expand(-1, -1, group, -1))
     ops().paged_attention_rows_(q, *copies, alone, *args)
     assert torch.equal(together, alone)
+
+
+def test_a_batch_of_decode_rows_gets_each_sequences_own_bits():
+    """With many sequences in a step, an item of few rows spans all KV heads of its sequence
+    (each block's heads read in one pass); alone, a sequence's rows are split by KV head.
+    Every row must get the same bits either way, and match the float64 reference."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    sequences = 4 * 4 * max(1, torch.get_num_threads())  # past the kernel's threshold
+    lens = [int(n) for n in torch.randint(1, 150, (sequences,), generator=g)]
+    query_lens = [min(n, 1 + i % 4) for i, n in enumerate(lens)]  # decode and verify rows
+    blocks_needed = [math.ceil(n / block_size) for n in lens]
+    perm = torch.randperm(sum(blocks_needed), generator=g).tolist()
+    tables, at = [], 0
+    for need in blocks_needed:
+        tables.append(perm[at : at + need] + [0] * (max(blocks_needed) - need))
+        at += need
+    k_cache = torch.randn(len(perm), block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(len(perm), block_size, kv_heads, head_dim, generator=g).bfloat16()
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    fast_k, fast_v = fast_layout(k_cache, v_cache)
+    geometry = (
+        torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32), scale, 0, 0.0,
+    )  # fmt: skip
+    together = torch.full_like(q, float("nan"))
+    ops().paged_attention_rows_(q, fast_k, fast_v, together, torch.arange(sequences), *geometry)
+    alone = torch.full_like(q, float("nan"))
+    for b in range(sequences):
+        ops().paged_attention_rows_(q, fast_k, fast_v, alone, torch.tensor([b]), *geometry)
+    assert torch.equal(together, alone)
+    want = _attention_float64(q, k_cache, v_cache, cu, lens, tables, scale, 0, 0.0)
+    torch.testing.assert_close(together.double(), want, rtol=1e-5, atol=1e-5)

@@ -40,6 +40,7 @@ constexpr int64_t kChunk = 64;
 constexpr int64_t kQueryBlock = 16;
 constexpr int kGroup = 4;  // query vectors attended together (their scores stay in registers)
 constexpr int64_t kInPlaceRows = 4;  // items of up to this many rows read the cache in place
+constexpr int64_t kSequencesPerThread = 4;  // from this many per thread, items span all heads
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #ifdef PAGEDLLM_AVX512
@@ -56,7 +57,8 @@ struct Geometry {
 
 struct Item {
   int64_t seq, kv_head, first_row, num_rows;  // query rows first_row .. + num_rows of seq
-  int64_t cost;                               // keys x rows, for load balancing
+  int64_t num_kv_heads;                       // KV heads kv_head .. + num_kv_heads
+  int64_t cost;                               // keys x rows x heads, for load balancing
 };
 
 // Per-thread scratch of one item.
@@ -310,13 +312,19 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
   __m512 scores[NV][kT];
   for (int v = 0; v < NV; ++v)
     for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_setzero_ps();
-  for (int t = 0; t < kT; ++t) {
-    if (16 * t + 16 <= lo || 16 * t >= hi) continue;
-    const CacheT* keys = k_cache + position_at(start + 16 * t);  // [D][bs], 16 lanes here
-    for (int64_t x = 0; x < d; ++x) {
-      const __m512 key = load16_float(keys + x * bs);
-      for (int v = 0; v < NV; ++v)
-        scores[v][t] = _mm512_fmadd_ps(_mm512_set1_ps(q[v * d + x]), key, scores[v][t]);
+  // Each score sums over d in order, as everywhere; x is the outer loop so that the
+  // NV x kT sums are independent chains in flight together (with t outer, NV chains of d
+  // dependent FMAs each made this loop latency-bound, half the kernel's time).
+  const CacheT* keys[kT];  // group t's keys, [D][bs] with its 16 lanes here; null: unseen
+  for (int t = 0; t < kT; ++t)
+    keys[t] = (16 * t + 16 <= lo || 16 * t >= hi) ? nullptr : k_cache + position_at(start + 16 * t);
+  for (int64_t x = 0; x < d; ++x) {
+    __m512 qx[NV];
+    for (int v = 0; v < NV; ++v) qx[v] = _mm512_set1_ps(q[v * d + x]);
+    for (int t = 0; t < kT; ++t) {
+      if (keys[t] == nullptr) continue;
+      const __m512 key = load16_float(keys[t] + x * bs);
+      for (int v = 0; v < NV; ++v) scores[v][t] = _mm512_fmadd_ps(qx[v], key, scores[v][t]);
     }
   }
   __m512 corr[NV];
@@ -388,9 +396,11 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
                  float* op, const int32_t* cu, const int32_t* lens, const int32_t* tables,
                  const Geometry& geo, double scale, int64_t window, double soft_cap,
                  Scratch& s) {
-  const int64_t d = geo.head_dim, g_count = geo.group, h = item.kv_head, b = item.seq;
+  const int64_t d = geo.head_dim, g_count = geo.group, b = item.seq;
   const int64_t query_len = cu[b + 1] - cu[b];
-  const int64_t vectors = item.num_rows * g_count;
+  // Vector v = (head i, row r, query head g) at ((i * num_rows) + r) * G + g.
+  const int64_t per_head = item.num_rows * g_count;
+  const int64_t vectors = item.num_kv_heads * per_head;
   s.q.resize(vectors * d);
   s.acc.assign(vectors * d, 0.f);
   s.maxs.assign(vectors, kNegInf);
@@ -403,9 +413,12 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
     first[r] = window > 0 ? std::max<int64_t>(0, last[r] - window + 1) : 0;
     lowest = std::min(lowest, first[r]);
     highest = std::max(highest, last[r]);
-    const float* src = qp + (cu[b] + j) * geo.q_row_stride + h * g_count * d;
-    for (int64_t i = 0; i < g_count * d; ++i)
-      s.q[r * g_count * d + i] = src[i] * static_cast<float>(scale);
+    for (int64_t i = 0; i < item.num_kv_heads; ++i) {
+      const int64_t h = item.kv_head + i;
+      const float* src = qp + (cu[b] + j) * geo.q_row_stride + h * g_count * d;
+      float* dst = s.q.data() + (i * per_head + r * g_count) * d;
+      for (int64_t e = 0; e < g_count * d; ++e) dst[e] = src[e] * static_cast<float>(scale);
+    }
   }
   const int32_t* table = tables + b * geo.max_blocks;
   // Few rows read each chunk in place; more share one float32 copy of it.
@@ -414,30 +427,40 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
 #else
   const bool in_place = false;
 #endif
+  TORCH_CHECK(in_place || item.num_kv_heads == 1, "attention: only in-place items span heads");
   for (int64_t start = (lowest / kChunk) * kChunk; start <= highest; start += kChunk) {
     if (!in_place)
-      load_chunk(k_cache, v_cache, table, geo, h, start, std::max(start, lowest),
+      load_chunk(k_cache, v_cache, table, geo, item.kv_head, start, std::max(start, lowest),
                  std::min(start + kChunk, highest + 1), s);
-    for (int64_t r = 0; r < item.num_rows; ++r) {
-      const int64_t lo = std::max(first[r], start) - start;
-      const int64_t hi = std::min(last[r] + 1, start + kChunk) - start;
-      if (lo >= hi) continue;  // none of this chunk's keys is visible to this row
+    // The heads of a chunk one after another: a block holds the keys (and the values) of
+    // all its KV heads side by side, so an item of all heads reads each block's bytes in
+    // one pass.
+    for (int64_t i = 0; i < item.num_kv_heads; ++i) {
+      for (int64_t r = 0; r < item.num_rows; ++r) {
+        const int64_t lo = std::max(first[r], start) - start;
+        const int64_t hi = std::min(last[r] + 1, start + kChunk) - start;
+        if (lo >= hi) continue;  // none of this chunk's keys is visible to this row
+        const int64_t v0 = i * per_head + r * g_count;
 #ifdef PAGEDLLM_AVX512
-      if (in_place) {
-        attend_row_in_place(s, r * g_count, g_count, k_cache, v_cache, table, geo, h, start, lo,
-                            hi, soft_cap);
-        continue;
-      }
+        if (in_place) {
+          attend_row_in_place(s, v0, g_count, k_cache, v_cache, table, geo, item.kv_head + i,
+                              start, lo, hi, soft_cap);
+          continue;
+        }
 #endif
-      attend_row_chunk(s, r * g_count, g_count, d, lo, hi, soft_cap);
+        attend_row_chunk(s, v0, g_count, d, lo, hi, soft_cap);
+      }
     }
   }
-  for (int64_t r = 0; r < item.num_rows; ++r) {
-    float* dst = op + (cu[b] + item.first_row + r) * geo.out_row_stride + h * g_count * d;
-    for (int64_t g = 0; g < g_count; ++g) {
-      const int64_t v = r * g_count + g;
-      const float inv = 1.0f / s.sums[v];
-      for (int64_t x = 0; x < d; ++x) dst[g * d + x] = s.acc[v * d + x] * inv;
+  for (int64_t i = 0; i < item.num_kv_heads; ++i) {
+    const int64_t h = item.kv_head + i;
+    for (int64_t r = 0; r < item.num_rows; ++r) {
+      float* dst = op + (cu[b] + item.first_row + r) * geo.out_row_stride + h * g_count * d;
+      for (int64_t g = 0; g < g_count; ++g) {
+        const int64_t v = i * per_head + r * g_count + g;
+        const float inv = 1.0f / s.sums[v];
+        for (int64_t x = 0; x < d; ++x) dst[g * d + x] = s.acc[v * d + x] * inv;
+      }
     }
   }
 }
@@ -494,6 +517,12 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
   const int32_t* len_p = lens.data_ptr<int32_t>();
   std::vector<Item> items;
   const int64_t* seq_p = seqs.data_ptr<int64_t>();
+  // Items of few rows (read in place) take all KV heads of their sequence at once when
+  // there are enough sequences to keep every thread busy: reading each block's heads in
+  // one pass instead of one head at a time took decode attention over 64 sequences from
+  // 14.3 to 13.8 ms per step (30 layers x 64 sequences x 192 keys). The arithmetic of every head is the same either way.
+  const bool in_place_ok = geo.block_size % 16 == 0 && geo.head_dim % 16 == 0;
+  const bool whole_sequences = in_place_ok && seqs.numel() >= kSequencesPerThread * pool_threads();
   for (int64_t i = 0; i < seqs.numel(); ++i) {
     const int64_t b = seq_p[i];
     const int64_t query_len = cu_p[b + 1] - cu_p[b];
@@ -501,7 +530,11 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
       const int64_t rows = std::min(kQueryBlock, query_len - j0);
       const int64_t keys = len_p[b] - query_len + j0 + rows;
       const int64_t span = window > 0 ? std::min<int64_t>(keys, window + rows) : keys;
-      for (int64_t h = 0; h < geo.kv_heads; ++h) items.push_back({b, h, j0, rows, span * rows});
+      if (whole_sequences && rows <= kInPlaceRows) {
+        items.push_back({b, 0, j0, rows, geo.kv_heads, span * rows * geo.kv_heads});
+        continue;
+      }
+      for (int64_t h = 0; h < geo.kv_heads; ++h) items.push_back({b, h, j0, rows, 1, span * rows});
     }
   }
   std::stable_sort(items.begin(), items.end(),

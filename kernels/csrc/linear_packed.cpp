@@ -51,6 +51,10 @@ constexpr int64_t kBlock = 32;      // activation quantization block along K
 constexpr int64_t kHalf = 16;       // the smallest weight group: half a block
 constexpr int64_t kRowChunk = 64;   // x rows whose quantized copy is reused across tiles
 constexpr int64_t kAhead = 8;       // weight groups prefetched ahead when few rows stream them
+#ifndef PAGEDLLM_FEW_ROWS_CHAINS
+#define PAGEDLLM_FEW_ROWS_CHAINS 2
+#endif
+constexpr int kFewRowsChains = PAGEDLLM_FEW_ROWS_CHAINS;  // up to this many rows: 4 chains
 
 template <typename S>
 inline float scalar_of(S v) {
@@ -229,12 +233,12 @@ inline __m512i broadcast4(const int8_t* p) {
 // accumulator arrays is a constant and they live in registers.
 template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
-                      int64_t out_stride, int64_t lanes) {
-  constexpr int64_t halves = G / kHalf;  // 16-value halves of a group: 1 or 2
+                      int64_t out_stride, int64_t lanes, const TileData* next = nullptr) {
   const int64_t k = x.k, groups = k / G;
   const S* scales = static_cast<const S*>(tile.scales);
   const S* mins = static_cast<const S*>(tile.mins);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  constexpr int kChains = MR <= kFewRowsChains ? 4 : 2;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   constexpr int64_t group_bytes = F == Format::kU4 ? G * 8 : G * 16;  // of the 16 rows
@@ -248,11 +252,25 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       _mm_prefetch(reinterpret_cast<const char*>(scales + (g + kAhead) * kTile), _MM_HINT_T0);
       if (mins != nullptr)
         _mm_prefetch(reinterpret_cast<const char*>(mins + (g + kAhead) * kTile), _MM_HINT_T0);
+    } else if (next != nullptr) {
+      // More rows pass over a tile several times (kRowChunk rows, 4 at a time) from L1;
+      // the first pass asks for the next tile meanwhile, so that memory stays busy while
+      // the later passes compute (at 16 rows the weights otherwise streamed at ~12 GB/s).
+      const char* ahead = reinterpret_cast<const char*>(next->bytes + g * group_bytes);
+      for (int64_t line = 0; line < group_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(static_cast<const S*>(next->scales) + g * kTile),
+                   _MM_HINT_T0);
+      if (next->mins != nullptr)
+        _mm_prefetch(reinterpret_cast<const char*>(static_cast<const S*>(next->mins) + g * kTile),
+                     _MM_HINT_T0);
     }
-    // Two partial sums per row (the halves of the group), added once: exact either way,
-    // and two shorter dependency chains.
-    __m512i isum[MR][2];
-    for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+    // kChains partial sums per row, added once at the end of the group: exact in any
+    // order, and independent dependency chains, so that consecutive vpdpbusd of a row
+    // never wait on each other. With one chain at a time the kernels ran at half speed
+    // on Zen 5, where vpdpbusd's latency, not its issue rate, was the limit.
+    __m512i isum[MR][kChains];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < kChains; ++c) isum[r][c] = _mm512_setzero_si512();
     const int64_t k0 = g * G;
     if constexpr (F == Format::kU4) {
       // low nibbles: K 0..15 of the group; high nibbles: K 16..31
@@ -261,21 +279,20 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
         const __m512i v = _mm512_loadu_si512(w + p * 64);
         const __m512i lo = _mm512_and_si512(v, nibble);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        const int c = (2 * p) % kChains;
         for (int r = 0; r < MR; ++r) {
           const int8_t* xr = x.q + (r0 + r) * k + k0;
-          isum[r][0] = dot_u8s8<true>(isum[r][0], lo, broadcast4(xr + 4 * p));
-          isum[r][1] = dot_u8s8<true>(isum[r][1], hi, broadcast4(xr + 4 * p + 16));
+          isum[r][c] = dot_u8s8<true>(isum[r][c], lo, broadcast4(xr + 4 * p));
+          isum[r][c + 1] = dot_u8s8<true>(isum[r][c + 1], hi, broadcast4(xr + 4 * p + 16));
         }
       }
     } else {
-      const uint8_t* w = tile.bytes + k0 * 16;  // 64 bytes per 4 K values
-      for (int h = 0; h < halves; ++h) {
-        for (int p = 4 * h; p < 4 * h + 4; ++p) {
-          const __m512i v = _mm512_loadu_si512(w + p * 64);
-          for (int r = 0; r < MR; ++r) {
-            const int8_t* xr = x.q + (r0 + r) * k + k0;
-            isum[r][h] = dot_u8s8<false>(isum[r][h], v, broadcast4(xr + 4 * p));
-          }
+      const uint8_t* w = tile.bytes + k0 * 16;  // 64 bytes per 4 K values: G / 4 vectors
+      for (int p = 0; p < G / 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(w + p * 64);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xr = x.q + (r0 + r) * k + k0;
+          isum[r][p % kChains] = dot_u8s8<false>(isum[r][p % kChains], v, broadcast4(xr + 4 * p));
         }
       }
     }
@@ -283,7 +300,9 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
     __m512 mn = _mm512_setzero_ps();
     if (mins != nullptr) mn = load16(mins + g * kTile);
     for (int r = 0; r < MR; ++r) {
-      __m512i exact = halves == 2 ? _mm512_add_epi32(isum[r][0], isum[r][1]) : isum[r][0];
+      __m512i exact = _mm512_add_epi32(isum[r][0], isum[r][1]);
+      if constexpr (kChains == 4)
+        exact = _mm512_add_epi32(exact, _mm512_add_epi32(isum[r][2], isum[r][3]));
       if constexpr (F == Format::kI8)
         exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(128 * x.sum<G>(r0 + r, g)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
@@ -300,7 +319,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 // takes the fast path on AVX-512 CPUs).
 template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
-                      int64_t out_stride, int64_t lanes) {
+                      int64_t out_stride, int64_t lanes, const TileData* /*next*/ = nullptr) {
   const int64_t k = x.k, groups = k / G;
   const S* scales = static_cast<const S*>(tile.scales);
   const S* mins = static_cast<const S*>(tile.mins);
@@ -537,8 +556,13 @@ void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const 
                             mp != nullptr ? mp + t * groups * kTile : nullptr};
         const int64_t lanes = std::min(kTile, n - t * kTile);
         float* o = out + t * kTile;
+        // The first pass over a tile prefetches the next one (tile_rows).
+        const TileData next{tp + (t + 1) * tile_bytes, sp + (t + 1) * groups * kTile,
+                            mp != nullptr ? mp + (t + 1) * groups * kTile : nullptr};
         int64_t r = c0;
-        for (; r + 4 <= c1; r += 4) tile_rows<F, G, 4, S>(tile, x, r, o + r * n, n, lanes);
+        for (; r + 4 <= c1; r += 4)
+          tile_rows<F, G, 4, S>(tile, x, r, o + r * n, n, lanes,
+                                r == c0 && t + 1 < end ? &next : nullptr);
         switch (c1 - r) {
           case 3: tile_rows<F, G, 3, S>(tile, x, r, o + r * n, n, lanes); break;
           case 2: tile_rows<F, G, 2, S>(tile, x, r, o + r * n, n, lanes); break;
