@@ -25,6 +25,7 @@ Targets (issue 15): one stream >= 1.2x llama.cpp's generation speed; 16 and 64 s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -232,7 +233,13 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-kv_bytes // 2**30)))
-    report: dict = {"threads": args.threads, "npl": args.npl, "prompt": PROMPT, "gen": GEN}
+    report: dict = {
+        "threads": args.threads,
+        "npl": args.npl,
+        "prompt": PROMPT,
+        "gen": GEN,
+        "cpu": _cpu_description(),
+    }
     if "llama.cpp" not in skip:
         report["llama.cpp"] = llama_cpp(
             Path(_tool("build-llama-cpp")), gguf, args.npl, args.threads
@@ -251,9 +258,28 @@ def main() -> int:
     return 0
 
 
+def _cpu_description() -> str:
+    """The CPU's model name and the ISA extensions the kernels can use: the peers' ratios
+    differ between CPUs (AMX on a Xeon, full-width AVX-512 on Zen 5)."""
+    model, flags = "unknown CPU", set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    wanted = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+    return f"{model} ({', '.join(f for f in wanted if f in flags) or 'no AVX-512'})"
+
+
 def print_table(report: dict) -> None:
     systems = [s for s in ("llama.cpp", "vllm", "pagedllm") if s in report]
-    print(f"\n{report['threads']} threads, {PROMPT} prompt + {GEN} generated tokens per sequence")
+    print(
+        f"\n{report.get('cpu', 'CPU')}, {report['threads']} threads, "
+        f"{PROMPT} prompt + {GEN} generated tokens per sequence"
+    )
     print(f"{'sequences':>10} " + " ".join(f"{s:>22}" for s in systems))
     for n in report["npl"]:
         cells = [f"{report[s][str(n)]['all_tokens_per_s']:>16.1f} tok/s" for s in systems]

@@ -79,7 +79,8 @@ def plot_cpu_peers(data: dict, out: Path) -> None:
     ax.set_xticks(levels, [str(x) for x in levels])
     ax.set_xlabel("sequences at once (128 prompt + 128 generated tokens each)")
     ax.set_ylabel("all tokens/s")
-    ax.set_title(f"SmolLM2-135M Q4_1 GGUF, {data['threads']} CPU threads")
+    cpu = data.get("cpu", "CPU").split(" (")[0]
+    ax.set_title(f"SmolLM2-135M Q4_1 GGUF, {data['threads']} threads on {cpu}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

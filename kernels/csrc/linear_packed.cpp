@@ -51,6 +51,12 @@ constexpr int64_t kBlock = 32;      // activation quantization block along K
 constexpr int64_t kHalf = 16;       // the smallest weight group: half a block
 constexpr int64_t kRowChunk = 64;   // x rows whose quantized copy is reused across tiles
 constexpr int64_t kAhead = 8;       // weight groups prefetched ahead when few rows stream them
+// Rows of x per pass over a weight tile, and at most in the last pass. Passes of 8 rows
+// spill accumulators out of the 32 vector registers in the i8 kernel (the LM head at 8
+// rows took 3.4x as long as at 5); a last pass of 5-7 rows still fits, so 1 + k rows of
+// speculative verification read and unpack each weight tile once.
+constexpr int64_t kPassRows = 4;
+constexpr int64_t kLastPassRows = 7;
 #ifndef PAGEDLLM_FEW_ROWS_CHAINS
 #define PAGEDLLM_FEW_ROWS_CHAINS 2
 #endif
@@ -559,14 +565,20 @@ void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const 
         // The first pass over a tile prefetches the next one (tile_rows).
         const TileData next{tp + (t + 1) * tile_bytes, sp + (t + 1) * groups * kTile,
                             mp != nullptr ? mp + (t + 1) * groups * kTile : nullptr};
+        const TileData* ahead = t + 1 < end ? &next : nullptr;
         int64_t r = c0;
-        for (; r + 4 <= c1; r += 4)
-          tile_rows<F, G, 4, S>(tile, x, r, o + r * n, n, lanes,
-                                r == c0 && t + 1 < end ? &next : nullptr);
+        for (; c1 - r > kLastPassRows; r += kPassRows)
+          tile_rows<F, G, kPassRows, S>(tile, x, r, o + r * n, n, lanes, r == c0 ? ahead : nullptr);
+        if (r == c1) continue;
+        // The last pass takes the remaining rows at once (1..kLastPassRows).
+        const TileData* last_ahead = r == c0 ? ahead : nullptr;
         switch (c1 - r) {
-          case 3: tile_rows<F, G, 3, S>(tile, x, r, o + r * n, n, lanes); break;
-          case 2: tile_rows<F, G, 2, S>(tile, x, r, o + r * n, n, lanes); break;
-          case 1: tile_rows<F, G, 1, S>(tile, x, r, o + r * n, n, lanes); break;
+#define PAGEDLLM_LAST_PASS(MR) \
+  case MR: tile_rows<F, G, MR, S>(tile, x, r, o + r * n, n, lanes, last_ahead); break;
+          PAGEDLLM_LAST_PASS(7) PAGEDLLM_LAST_PASS(6) PAGEDLLM_LAST_PASS(5)
+          PAGEDLLM_LAST_PASS(4) PAGEDLLM_LAST_PASS(3) PAGEDLLM_LAST_PASS(2)
+          PAGEDLLM_LAST_PASS(1)
+#undef PAGEDLLM_LAST_PASS
           default: break;
         }
       }
