@@ -391,6 +391,17 @@ inline void attend_row_in_place(Scratch& s, int64_t first, int64_t count, const 
 }
 #endif
 
+// Whether items of few rows can read the cache in place (the AVX-512 kernels, 16-lane
+// groups of keys inside one block).
+inline bool can_read_in_place(const Geometry& geo) {
+#ifdef PAGEDLLM_AVX512
+  return geo.block_size % 16 == 0 && geo.head_dim % 16 == 0;
+#else
+  (void)geo;
+  return false;
+#endif
+}
+
 template <typename CacheT>
 void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const CacheT* v_cache,
                  float* op, const int32_t* cu, const int32_t* lens, const int32_t* tables,
@@ -422,11 +433,7 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
   }
   const int32_t* table = tables + b * geo.max_blocks;
   // Few rows read each chunk in place; more share one float32 copy of it.
-#ifdef PAGEDLLM_AVX512
-  const bool in_place = item.num_rows <= kInPlaceRows && geo.block_size % 16 == 0 && d % 16 == 0;
-#else
-  const bool in_place = false;
-#endif
+  const bool in_place = item.num_rows <= kInPlaceRows && can_read_in_place(geo);
   TORCH_CHECK(in_place || item.num_kv_heads == 1, "attention: only in-place items span heads");
   for (int64_t start = (lowest / kChunk) * kChunk; start <= highest; start += kChunk) {
     if (!in_place)
@@ -519,10 +526,10 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
   const int64_t* seq_p = seqs.data_ptr<int64_t>();
   // Items of few rows (read in place) take all KV heads of their sequence at once when
   // there are enough sequences to keep every thread busy: reading each block's heads in
-  // one pass instead of one head at a time took decode attention over 64 sequences from
-  // 14.3 to 13.8 ms per step (30 layers x 64 sequences x 192 keys). The arithmetic of every head is the same either way.
-  const bool in_place_ok = geo.block_size % 16 == 0 && geo.head_dim % 16 == 0;
-  const bool whole_sequences = in_place_ok && seqs.numel() >= kSequencesPerThread * pool_threads();
+  // one pass instead of one head at a time took decode attention over 64 sequences x 192
+  // keys from 14.3 to 13.8 ms per step (30 layers). Every head's arithmetic is the same.
+  const bool whole_sequences =
+      can_read_in_place(geo) && seqs.numel() >= kSequencesPerThread * pool_threads();
   for (int64_t i = 0; i < seqs.numel(); ++i) {
     const int64_t b = seq_p[i];
     const int64_t query_len = cu_p[b + 1] - cu_p[b];
