@@ -244,6 +244,28 @@ def test_kv_cache_writes_skip_padding(dtype):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def _scattered_block_tables(
+    lens: list[int], block_size: int, g: torch.Generator, spare: int = 0
+) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of these lengths over a shuffled cache of just enough
+    blocks (plus `spare`), padded with block 0: (tables, number of blocks)."""
+    blocks_needed = [math.ceil(n / block_size) for n in lens]
+    perm = torch.randperm(sum(blocks_needed) + spare, generator=g).tolist()
+    tables, at = [], 0
+    for need in blocks_needed:
+        tables.append(perm[at : at + need] + [0] * (max(blocks_needed) - need))
+        at += need
+    return tables, len(perm)
+
+
+def _cumulative(counts: list[int]) -> list[int]:
+    """[0, c0, c0 + c1, ...]: cu_seqlens of the query rows."""
+    cu = [0]
+    for n in counts:
+        cu.append(cu[-1] + n)
+    return cu
+
+
 def _attention_float64(q, k_cache, v_cache, cu, lens, tables, scale, window, soft_cap):
     """Written out one query at a time in float64: the reference of every row."""
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -284,18 +306,10 @@ def test_paged_attention_rows_read_the_cache_in_place(
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     lens = [1, 7, 8, 9, 33, 70, 130]  # across block edges and the 64-key chunks
     query_lens = [1, 1, 3, 1, 2, 1, 5]  # decode rows and short multi-query rows
-    blocks_needed = [math.ceil(n / block_size) for n in lens]
-    perm = torch.randperm(sum(blocks_needed) + 5, generator=g).tolist()
-    tables, at = [], 0
-    for need in blocks_needed:
-        tables.append(perm[at : at + need] + [0] * (max(blocks_needed) - need))
-        at += need
-    num_blocks = len(perm)
+    tables, num_blocks = _scattered_block_tables(lens, block_size, g, spare=5)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
+    cu = _cumulative(query_lens)
     q = torch.randn(cu[-1], heads, head_dim, generator=g)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
@@ -418,17 +432,10 @@ def test_a_batch_of_decode_rows_gets_each_sequences_own_bits():
     sequences = 4 * 4 * max(1, torch.get_num_threads())  # past the kernel's threshold
     lens = [int(n) for n in torch.randint(1, 150, (sequences,), generator=g)]
     query_lens = [min(n, 1 + i % 4) for i, n in enumerate(lens)]  # decode and verify rows
-    blocks_needed = [math.ceil(n / block_size) for n in lens]
-    perm = torch.randperm(sum(blocks_needed), generator=g).tolist()
-    tables, at = [], 0
-    for need in blocks_needed:
-        tables.append(perm[at : at + need] + [0] * (max(blocks_needed) - need))
-        at += need
-    k_cache = torch.randn(len(perm), block_size, kv_heads, head_dim, generator=g).bfloat16()
-    v_cache = torch.randn(len(perm), block_size, kv_heads, head_dim, generator=g).bfloat16()
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
+    tables, num_blocks = _scattered_block_tables(lens, block_size, g)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    cu = _cumulative(query_lens)
     q = torch.randn(cu[-1], heads, head_dim, generator=g)
     scale = head_dim**-0.5
     fast_k, fast_v = fast_layout(k_cache, v_cache)

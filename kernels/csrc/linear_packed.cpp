@@ -57,10 +57,7 @@ constexpr int64_t kAhead = 8;       // weight groups prefetched ahead when few r
 // speculative verification read and unpack each weight tile once.
 constexpr int64_t kPassRows = 4;
 constexpr int64_t kLastPassRows = 7;
-#ifndef PAGEDLLM_FEW_ROWS_CHAINS
-#define PAGEDLLM_FEW_ROWS_CHAINS 2
-#endif
-constexpr int kFewRowsChains = PAGEDLLM_FEW_ROWS_CHAINS;  // up to this many rows: 4 chains
+constexpr int kFewRowsChains = 2;  // up to this many rows, 4 partial sums per row (else 2)
 
 template <typename S>
 inline float scalar_of(S v) {
@@ -261,7 +258,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
     } else if (next != nullptr) {
       // More rows pass over a tile several times (kRowChunk rows, 4 at a time) from L1;
       // the first pass asks for the next tile meanwhile, so that memory stays busy while
-      // the later passes compute (at 16 rows the weights otherwise streamed at ~12 GB/s).
+      // the later passes compute (at 16 rows the weights otherwise streamed at ~11 GB/s).
       const char* ahead = reinterpret_cast<const char*>(next->bytes + g * group_bytes);
       for (int64_t line = 0; line < group_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(static_cast<const S*>(next->scales) + g * kTile),

@@ -7,7 +7,6 @@ namespace pagedllm {
 namespace {
 
 // --------------------------------------------------------------- RMSNorm
-// One row: out = weight * (x / sqrt(mean(x^2) + eps)), as transformers' float32 RMSNorm.
 // The sum of squares of a row in double: each square is exact there, and the sum of a
 // few thousand of them rounds to the same float mean in any order.
 inline double sum_of_squares(const float* x, int64_t h) {
@@ -30,6 +29,7 @@ inline double sum_of_squares(const float* x, int64_t h) {
   return sum;
 }
 
+// One row: out = weight * (x / sqrt(mean(x^2) + eps)), as transformers' float32 RMSNorm.
 inline void rms_norm_row(const float* x, const float* w, float* out, int64_t h, double eps) {
   const double sum = sum_of_squares(x, h);
   const float mean = static_cast<float>(sum / static_cast<double>(h));
