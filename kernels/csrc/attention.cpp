@@ -274,17 +274,20 @@ inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int6
                                int64_t hi, double soft_cap, float* running_max,
                                float* running_sum, float* acc, float* probs) {
   constexpr int kT = kChunk / 16;
-  __m512 scores[NV][kT];
+  __m512 sums[NV][kT];  // never escapes (see attend_chunk_in_place): stays in registers
   for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_setzero_ps();
+    for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_setzero_ps();
   for (int64_t x = 0; x < d; ++x) {
     __m512 keys[kT];
     for (int t = 0; t < kT; ++t) keys[t] = _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t);
     for (int v = 0; v < NV; ++v) {
       const __m512 qx = _mm512_set1_ps(q[v * d + x]);
-      for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_fmadd_ps(qx, keys[t], scores[v][t]);
+      for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_fmadd_ps(qx, keys[t], sums[v][t]);
     }
   }
+  __m512 scores[NV][kT];
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
   __m512 corr[NV];
   softmax_chunk<NV>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
   const float* values = s.values.data();
@@ -309,9 +312,13 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
     return static_cast<int64_t>(table[pos / bs]) * geo.block_stride + kv_head * geo.head_stride +
            pos % bs;
   };
-  __m512 scores[NV][kT];
+  // The sums live in an array whose address is never taken, copied into `scores` (which
+  // softmax_chunk takes by reference) after the loop: accumulated in `scores` directly,
+  // the compiler treated them as memory that the q and key loads might alias and stored
+  // all NV x kT of them on every step of the loop.
+  __m512 sums[NV][kT];
   for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) scores[v][t] = _mm512_setzero_ps();
+    for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_setzero_ps();
   // Each score sums over d in order, as everywhere; x is the outer loop so that the
   // NV x kT sums are independent chains in flight together (with t outer, NV chains of d
   // dependent FMAs each made this loop latency-bound, half the kernel's time).
@@ -324,9 +331,12 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
     for (int t = 0; t < kT; ++t) {
       if (keys[t] == nullptr) continue;
       const __m512 key = load16_float(keys[t] + x * bs);
-      for (int v = 0; v < NV; ++v) scores[v][t] = _mm512_fmadd_ps(qx[v], key, scores[v][t]);
+      for (int v = 0; v < NV; ++v) sums[v][t] = _mm512_fmadd_ps(qx[v], key, sums[v][t]);
     }
   }
+  __m512 scores[NV][kT];
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
   __m512 corr[NV];
   softmax_chunk<NV>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
   accumulate_values<NV, CacheT>(acc, d, probs, corr, lo, hi, [&](int64_t key) {
