@@ -15,7 +15,8 @@
 //   x        = linear(gated_act(linear(h)))       (gate_up, then down)
 //
 // Returns (x, residual) of the last layer: the caller applies the final norm. x_in is
-// not modified.
+// not modified. The intermediates (h, qkv, attn, ...) live in per-thread buffers reused
+// by every layer and step (layer_buffers), not in tensors allocated per op.
 //
 // Arguments (L layers):
 //   x [T, H] float32; positions [T] int64
@@ -37,19 +38,55 @@ constexpr int64_t kTensorsPerLayer = 18;
 constexpr int64_t kIntsPerLayer = 13;
 enum LinearKind : int64_t { kBf16 = 0, kU4 = 1, kI8 = 2 };
 
-// Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a layer, applied to x [T, K] -> [T, N].
-Tensor linear(const Tensor* tensors, const int64_t* ints, int64_t j, const Tensor& x) {
+// Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a layer, applied to x [T, K] -> [T, N],
+// written into `out` ([T, N]) when given.
+Tensor linear(const Tensor* tensors, const int64_t* ints, int64_t j, const Tensor& x,
+              Tensor* out = nullptr) {
   const Tensor* t = tensors + 2 + 4 * j;
   const int64_t kind = ints[3 * j], group = ints[3 * j + 1], n = ints[3 * j + 2];
   Tensor y;
   switch (kind) {
-    case kBf16: y = api::bf16_linear(x, t[0]); break;
-    case kU4: y = api::u4_tiled_linear(x, t[0], t[1], t[2], n); break;
-    case kI8: y = api::i8_tiled_linear(x, t[0], t[1], t[2], group, n); break;
+    case kBf16: y = api::bf16_linear(x, t[0], out); break;
+    case kU4: y = api::u4_tiled_linear(x, t[0], t[1], t[2], n, out); break;
+    case kI8: y = api::i8_tiled_linear(x, t[0], t[1], t[2], group, n, out); break;
     default: TORCH_CHECK(false, "unknown linear kind ", kind);
   }
   if (t[3].numel() > 0) y.add_(t[3]);  // the bias, added as `out + bias` adds it
   return y;
+}
+
+// The activations of one layer, in buffers that outlive the call: one float32 block per
+// calling thread, grown to the largest step seen and then reused by every layer of every
+// step. Allocated afresh for each op (~8 per layer), a 512-token prompt step's ~15 MB of
+// intermediates fragmented the heap: the process kept ~30-60 MiB more resident after its
+// first large jobs than their live data needed (glibc does not return such memory, and
+// making it do so, by trimming or mmap, cost a third of the speed in page faults).
+//   h        [T, H]          the normed input of qkv, then of gate_up
+//   qkv      [T, Nqkv]
+//   attn     [T, Hq * D]
+//   proj     [T, H]          o's output, then down's (the next layer's input)
+//   gate_up  [T, 2I]
+//   act      [T, I]
+// The stack's results never alias it: the residual stream and the last layer's output
+// are tensors of their own.
+struct LayerBuffers {
+  Tensor h, qkv, attn, proj, gate_up, act;
+};
+
+LayerBuffers layer_buffers(int64_t t, int64_t hidden, int64_t qkv, int64_t attn,
+                           int64_t gate_up, int64_t act) {
+  thread_local Tensor block;  // float32 [capacity]
+  const int64_t widths[] = {hidden, qkv, attn, hidden, gate_up, act};
+  int64_t total = 0;
+  for (int64_t w : widths) total += t * w;
+  if (!block.defined() || block.numel() < total) block = at::empty({total}, at::kFloat);
+  Tensor views[6];
+  int64_t offset = 0;
+  for (int i = 0; i < 6; ++i) {
+    views[i] = block.narrow(0, offset, t * widths[i]).view({t, widths[i]});
+    offset += t * widths[i];
+  }
+  return {views[0], views[1], views[2], views[3], views[4], views[5]};
 }
 
 std::tuple<Tensor, Tensor> decoder_stack(
@@ -66,28 +103,35 @@ std::tuple<Tensor, Tensor> decoder_stack(
   const int64_t t = x_in.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   Tensor x = x_in.clone();  // becomes the residual stream, updated in place
   Tensor residual;
+  // One set of buffers serves every layer: each must have the first one's widths.
+  const int64_t hidden = x_in.size(1);
+  LayerBuffers buf = layer_buffers(t, hidden, ints[2], q_size, ints[8], ints[8] / 2);
   for (int64_t layer = 0; layer < layers; ++layer) {
     const Tensor* p = params.data() + layer * kTensorsPerLayer;
     const int64_t* n = ints.data() + layer * kIntsPerLayer;
+    TORCH_CHECK(n[2] == ints[2] && n[8] == ints[8] && n[5] == hidden && n[11] == hidden,
+                "decoder_stack: layer ", layer, " has other widths than layer 0");
     Tensor h;
     if (layer == 0) {
       residual = x;
-      h = api::rms_norm(x, p[0], eps);
+      h = api::rms_norm(x, p[0], eps, &buf.h);
     } else {
-      h = api::add_rms_norm(x, residual, p[0], eps);
+      h = api::add_rms_norm(x, residual, p[0], eps, &buf.h);
     }
-    Tensor qkv = linear(p, n, 0, h);
+    Tensor qkv = linear(p, n, 0, h, &buf.qkv);
     Tensor q = qkv.narrow(1, 0, q_size).view({t, heads, head_dim});
     Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads, head_dim});
     Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
     api::rotary_neox_(q, k, positions, cos, sin);
     Tensor k_cache = kv[2 * layer], v_cache = kv[2 * layer + 1];
     api::write_kv_cache_(k, v, k_cache, v_cache, slot_mapping);
-    Tensor attn = at::empty({t, heads, head_dim}, x.options());
+    Tensor attn = buf.attn.view({t, heads, head_dim});
     api::paged_attention_rows_(q, k_cache, v_cache, attn, seq_ids, cu_seqlens_q, seq_lens,
                                block_tables, scale, n[12], 0.0);
-    h = api::add_rms_norm(linear(p, n, 1, attn.view({t, q_size})), residual, p[1], eps);
-    x = linear(p, n, 3, api::gated_act(linear(p, n, 2, h), false));
+    h = api::add_rms_norm(linear(p, n, 1, buf.attn, &buf.proj), residual, p[1], eps, &buf.h);
+    Tensor act = api::gated_act(linear(p, n, 2, h, &buf.gate_up), false, &buf.act);
+    // The last layer's output is returned: a tensor of its own, not the reused buffer.
+    x = layer + 1 < layers ? linear(p, n, 3, act, &buf.proj) : linear(p, n, 3, act);
   }
   return {x, residual};
 }

@@ -9,11 +9,13 @@ namespace pagedllm {
 namespace api {
 
 // ops.cpp
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
-Tensor add_rms_norm(const Tensor& x, Tensor& residual, const Tensor& weight, double eps);
+// out: where to write the result (shaped as the result), or null for a new tensor.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* out = nullptr);
+Tensor add_rms_norm(const Tensor& x, Tensor& residual, const Tensor& weight, double eps,
+                    Tensor* out = nullptr);
 void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos,
                   const Tensor& sin);
-Tensor gated_act(const Tensor& x, bool gelu);
+Tensor gated_act(const Tensor& x, bool gelu, Tensor* out = nullptr);
 void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                      const Tensor& slot_mapping);
 // attention.cpp
@@ -22,11 +24,11 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
                            const Tensor& seq_lens, const Tensor& block_tables, double scale,
                            int64_t window, double soft_cap);
 // linear_bf16.cpp, linear_packed.cpp
-Tensor bf16_linear(const Tensor& x, const Tensor& weight);
+Tensor bf16_linear(const Tensor& x, const Tensor& weight, Tensor* out = nullptr);
 Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
-                       const Tensor& mins, int64_t n);
+                       const Tensor& mins, int64_t n, Tensor* out = nullptr);
 Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
-                       const Tensor& mins, int64_t group, int64_t n);
+                       const Tensor& mins, int64_t group, int64_t n, Tensor* out = nullptr);
 
 }  // namespace api
 }  // namespace pagedllm

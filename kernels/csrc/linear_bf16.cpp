@@ -188,14 +188,15 @@ inline void tile_gemm(const bf16* xb, int64_t m, int64_t k, const bf16* tile, in
 
 // y [M, N] float32 = x [M, K] @ W^T for a weight of N rows given by make_row(n).
 template <typename MakeRow>
-Tensor packed_matmul(const Tensor& x_in, int64_t n, int64_t k, const MakeRow& make_row) {
+Tensor packed_matmul(const Tensor& x_in, int64_t n, int64_t k, const MakeRow& make_row,
+                     Tensor* out_buffer = nullptr) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.size(1) == k, "x has ", x_in.size(1), " features, the weight ", k);
   TORCH_CHECK(k % 32 == 0, "K must be a multiple of 32, got ", k);
   Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0);
   const bf16* xb = activations_bf16(x);
-  Tensor out = at::empty({m, n}, x.options());
+  Tensor out = float_output(out_buffer, m, n, x.options());
   float* op = out.data_ptr<float>();
   const int64_t num_tiles = (n + kTileRows - 1) / kTileRows;
 #ifdef PAGEDLLM_AVX512
@@ -228,23 +229,25 @@ Tensor packed_matmul(const Tensor& x_in, int64_t n, int64_t k, const MakeRow& ma
 }
 
 // x [M, K] float32; weight bf16 [N, K] -> [M, N] float32
-Tensor bf16_linear(const Tensor& x, const Tensor& weight) {
+Tensor bf16_linear(const Tensor& x, const Tensor& weight, Tensor* out = nullptr) {
   check_cpu_contiguous(weight, "weight");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "weight must be bf16");
   const int64_t k = weight.size(1);
   const bf16* wp = weight.data_ptr<bf16>();
-  return packed_matmul(x, weight.size(0), k, [&](int64_t r) { return Bf16Row{wp + r * k}; });
+  return packed_matmul(
+      x, weight.size(0), k, [&](int64_t r) { return Bf16Row{wp + r * k}; }, out);
 }
 
 }  // namespace
 
 namespace api {
-Tensor bf16_linear(const Tensor& x, const Tensor& weight) {
-  return pagedllm::bf16_linear(x, weight);
+Tensor bf16_linear(const Tensor& x, const Tensor& weight, Tensor* out) {
+  return pagedllm::bf16_linear(x, weight, out);
 }
 }  // namespace api
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor", &pagedllm::bf16_linear);
+  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor",
+        [](const at::Tensor& x, const at::Tensor& weight) { return pagedllm::bf16_linear(x, weight); });
 }

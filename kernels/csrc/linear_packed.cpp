@@ -605,12 +605,13 @@ void check_tiles(const Tensor& tiles, const Tensor& scales, const Tensor& mins, 
 
 // x [M, K] float32 -> y [M, N] float32
 Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor& scales,
-                          const Tensor& mins, int64_t group, int64_t n, Format format) {
+                          const Tensor& mins, int64_t group, int64_t n, Format format,
+                          Tensor* out_buffer = nullptr) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   check_tiles(tiles, scales, mins, n, k, group, format);
-  Tensor out = at::empty({m, n}, x.options());
+  Tensor out = float_output(out_buffer, m, n, x.options());
   if (m == 0) return out;
   const QuantizedRows qx = quantize_activations(x);
   float* op = out.data_ptr<float>();
@@ -629,13 +630,13 @@ Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor&
 }
 
 Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
-                       const Tensor& mins, int64_t n) {
-  return packed_linear_impl(x, tiles, scales, mins, 32, n, Format::kU4);
+                       const Tensor& mins, int64_t n, Tensor* out = nullptr) {
+  return packed_linear_impl(x, tiles, scales, mins, 32, n, Format::kU4, out);
 }
 
 Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
-                       const Tensor& mins, int64_t group, int64_t n) {
-  return packed_linear_impl(x, tiles, scales, mins, group, n, Format::kI8);
+                       const Tensor& mins, int64_t group, int64_t n, Tensor* out = nullptr) {
+  return packed_linear_impl(x, tiles, scales, mins, group, n, Format::kI8, out);
 }
 
 // ------------------------------------------------------------------ repacking
@@ -757,21 +758,26 @@ std::tuple<Tensor, Tensor, Tensor> quantize_activations_op(const Tensor& x_in) {
 
 namespace api {
 Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
-                       const Tensor& mins, int64_t n) {
-  return pagedllm::u4_tiled_linear(x, tiles, scales, mins, n);
+                       const Tensor& mins, int64_t n, Tensor* out) {
+  return pagedllm::u4_tiled_linear(x, tiles, scales, mins, n, out);
 }
 Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
-                       const Tensor& mins, int64_t group, int64_t n) {
-  return pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n);
+                       const Tensor& mins, int64_t group, int64_t n, Tensor* out) {
+  return pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n, out);
 }
 }  // namespace api
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("u4_tiled_linear(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int n) -> Tensor",
-        &pagedllm::u4_tiled_linear);
+        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& mins,
+           int64_t n) { return pagedllm::u4_tiled_linear(x, tiles, scales, mins, n); });
   m.def("i8_tiled_linear(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int group, int n)"
-        " -> Tensor", &pagedllm::i8_tiled_linear);
+        " -> Tensor",
+        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& mins,
+           int64_t group, int64_t n) {
+          return pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n);
+        });
   m.def("tile_u4(Tensor qweight) -> Tensor", &pagedllm::tile_u4);
   m.def("tile_i8(Tensor qweight) -> Tensor", &pagedllm::tile_i8);
   m.def("tiled_rows(Tensor ids, Tensor tiles, Tensor scales, Tensor mins, int group, int n, "

@@ -38,12 +38,12 @@ inline void rms_norm_row(const float* x, const float* w, float* out, int64_t h, 
 }
 
 // x [T, H] float32, weight [H] float32 -> out [T, H]
-Tensor rms_norm(const Tensor& x_in, const Tensor& weight, double eps) {
+Tensor rms_norm(const Tensor& x_in, const Tensor& weight, double eps, Tensor* out_buffer = nullptr) {
   Tensor x = x_in.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "rms_norm runs on float32");
   const int64_t h = x.size(-1), rows = x.numel() / h;
-  Tensor out = at::empty_like(x);
+  Tensor out = out_buffer ? float_output(out_buffer, rows, h, x.options()) : at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -54,12 +54,13 @@ Tensor rms_norm(const Tensor& x_in, const Tensor& weight, double eps) {
 }
 
 // residual += x (in place); returns rms_norm(residual): the pre-norm of the next sub-layer.
-Tensor add_rms_norm(const Tensor& x_in, Tensor& residual, const Tensor& weight, double eps) {
+Tensor add_rms_norm(const Tensor& x_in, Tensor& residual, const Tensor& weight, double eps,
+                    Tensor* out_buffer = nullptr) {
   Tensor x = x_in.contiguous();
   TORCH_CHECK(residual.is_contiguous() && residual.scalar_type() == at::kFloat,
               "residual must be contiguous float32");
   const int64_t h = x.size(-1), rows = x.numel() / h;
-  Tensor out = at::empty_like(x);
+  Tensor out = out_buffer ? float_output(out_buffer, rows, h, x.options()) : at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -129,11 +130,11 @@ inline float gelu_times(float g, float u) {
 }
 
 // x [T, 2I] = [gate | up] -> silu(gate) * up  [T, I]  (gelu_tanh when `gelu` is set)
-Tensor gated_act(const Tensor& x_in, bool gelu) {
+Tensor gated_act(const Tensor& x_in, bool gelu, Tensor* out_buffer = nullptr) {
   Tensor x = x_in.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gated_act runs on float32");
   const int64_t t = x.size(0), inner = x.size(1) / 2;
-  Tensor out = at::empty({t, inner}, x.options());
+  Tensor out = float_output(out_buffer, t, inner, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
@@ -255,17 +256,20 @@ Tensor argmax_rows(const Tensor& x_in) {
 }  // namespace
 
 namespace api {
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  return pagedllm::rms_norm(x, weight, eps);
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* out) {
+  return pagedllm::rms_norm(x, weight, eps, out);
 }
-Tensor add_rms_norm(const Tensor& x, Tensor& residual, const Tensor& weight, double eps) {
-  return pagedllm::add_rms_norm(x, residual, weight, eps);
+Tensor add_rms_norm(const Tensor& x, Tensor& residual, const Tensor& weight, double eps,
+                    Tensor* out) {
+  return pagedllm::add_rms_norm(x, residual, weight, eps, out);
 }
 void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos,
                   const Tensor& sin) {
   pagedllm::rotary_neox_(q, k, positions, cos, sin);
 }
-Tensor gated_act(const Tensor& x, bool gelu) { return pagedllm::gated_act(x, gelu); }
+Tensor gated_act(const Tensor& x, bool gelu, Tensor* out) {
+  return pagedllm::gated_act(x, gelu, out);
+}
 void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                      const Tensor& slot_mapping) {
   pagedllm::write_kv_cache_(k, v, k_cache, v_cache, slot_mapping);
@@ -274,12 +278,18 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedllm::rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+        [](const at::Tensor& x, const at::Tensor& weight, double eps) {
+          return pagedllm::rms_norm(x, weight, eps);
+        });
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
-        &pagedllm::add_rms_norm);
+        [](const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+          return pagedllm::add_rms_norm(x, residual, weight, eps);
+        });
   m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()",
         &pagedllm::rotary_neox_);
-  m.def("gated_act(Tensor x, bool gelu) -> Tensor", &pagedllm::gated_act);
+  m.def("gated_act(Tensor x, bool gelu) -> Tensor",
+        [](const at::Tensor& x, bool gelu) { return pagedllm::gated_act(x, gelu); });
   m.def("argmax_rows(Tensor x) -> Tensor", &pagedllm::argmax_rows);
   m.def(
       "write_kv_cache_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
