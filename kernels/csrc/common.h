@@ -34,7 +34,8 @@ using bf16 = c10::BFloat16;
 
 // A kernel's float32 output [rows, cols]: `out` when the caller passes one (decoder.cpp
 // hands in buffers it reuses from step to step), else a new tensor.
-inline Tensor float_output(Tensor* out, int64_t rows, int64_t cols, const at::TensorOptions& options) {
+inline Tensor float_output(Tensor* out, int64_t rows, int64_t cols,
+                           const at::TensorOptions& options) {
   if (out == nullptr) return at::empty({rows, cols}, options.dtype(at::kFloat));
   TORCH_CHECK(out->dim() == 2 && out->size(0) == rows && out->size(1) == cols &&
                   out->is_contiguous() && out->scalar_type() == at::kFloat,

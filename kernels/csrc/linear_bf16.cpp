@@ -249,5 +249,7 @@ Tensor bf16_linear(const Tensor& x, const Tensor& weight, Tensor* out) {
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor",
-        [](const at::Tensor& x, const at::Tensor& weight) { return pagedllm::bf16_linear(x, weight); });
+        [](const at::Tensor& x, const at::Tensor& weight) {
+          return pagedllm::bf16_linear(x, weight);
+        });
 }

@@ -770,12 +770,14 @@ Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scale
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("u4_tiled_linear(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int n) -> Tensor",
-        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& mins,
-           int64_t n) { return pagedllm::u4_tiled_linear(x, tiles, scales, mins, n); });
+        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+           const at::Tensor& mins, int64_t n) {
+          return pagedllm::u4_tiled_linear(x, tiles, scales, mins, n);
+        });
   m.def("i8_tiled_linear(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int group, int n)"
         " -> Tensor",
-        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& mins,
-           int64_t group, int64_t n) {
+        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+           const at::Tensor& mins, int64_t group, int64_t n) {
           return pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n);
         });
   m.def("tile_u4(Tensor qweight) -> Tensor", &pagedllm::tile_u4);

@@ -38,7 +38,8 @@ inline void rms_norm_row(const float* x, const float* w, float* out, int64_t h, 
 }
 
 // x [T, H] float32, weight [H] float32 -> out [T, H]
-Tensor rms_norm(const Tensor& x_in, const Tensor& weight, double eps, Tensor* out_buffer = nullptr) {
+Tensor rms_norm(const Tensor& x_in, const Tensor& weight, double eps,
+                Tensor* out_buffer = nullptr) {
   Tensor x = x_in.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "rms_norm runs on float32");
