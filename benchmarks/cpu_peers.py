@@ -7,8 +7,8 @@ Every sequence is a 128-token prompt and 128 generated tokens (ignore_eos), as
 `llama-batched-bench -npp 128 -ntg 128` measures. Each system runs alone, in a process of
 its own, with the same number of threads, the same model (the embedded SmolLM2-135M-Instruct
 Q4_1 GGUF for llama.cpp and pagedllm; the Hugging Face folder transformers makes of that GGUF
-for vLLM, in vLLM's default bf16) and a KV cache of about the same size (what the largest
-batch needs, in 16-bit). Reported per system and batch size:
+for vLLM, in vLLM's default bf16) and a KV cache for what the largest batch needs, in 16-bit:
+the same bytes for llama.cpp and pagedllm, whole GiB for vLLM (VLLM_CPU_KVCACHE_SPACE). Reported per system and batch size:
 
     all tokens/s    (prompt + generated tokens) / wall time of the whole batch
     gen tokens/s    one sequence only: generated tokens / time from first to last token
@@ -226,9 +226,12 @@ def main() -> int:
 
     gguf = default_model_path()
     skip = set(filter(None, args.skip.split(",")))
-    # KV for the largest batch in 16-bit, as llama.cpp's -c gives it: 30 layers x 2 x 3 KV
-    # heads x 64 dims x 2 bytes per token, plus one 16-token block per sequence of slack.
-    tokens = max(args.npl) * (PROMPT + GEN + 16)
+    # KV for the largest batch in 16-bit, exactly what llama.cpp's -c gives it: 30 layers x
+    # 2 x 3 KV heads x 64 dims x 2 bytes per token. A sequence of 128 + 128 tokens writes
+    # 255 of them (the last token is sampled, never fed back): 16 blocks of 16, no
+    # preemption. (Sessions before 2026-12-02 gave pagedllm a block per sequence more,
+    # 22.5 MiB at 64 sequences.)
+    tokens = max(args.npl) * (PROMPT + GEN)
     kv_bytes = tokens * 30 * 2 * 3 * 64 * 2
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"

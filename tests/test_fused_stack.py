@@ -46,6 +46,29 @@ def test_default_model_runs_the_fused_stack_with_the_module_paths_numbers(defaul
         model.use_fused_stack = True
 
 
+def test_large_steps_give_their_buffers_back_with_the_same_numbers(default_llm):
+    """24 prompts of ~40 tokens, prefilled in steps of hundreds of rows: the stack's layer
+    block (~15 MB at 512 rows) is mapped for each and given back after it, then a small one
+    is kept for the decodes;
+    24 rows of logits (4.7 MB) get pages of their own. Same numbers as the module path."""
+    model = default_llm.engine.engine.model
+    prompts = [f"Item {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True)
+
+    def run(fused: bool) -> list:
+        model.use_fused_stack = fused
+        default_llm.engine.reset_prefix_cache()
+        results = default_llm.generate(prompts, params, use_tqdm=False)
+        return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+    try:
+        fused = run(True)
+        assert run(False) == fused
+        assert run(True) == fused  # the block mapped again
+    finally:
+        model.use_fused_stack = True
+
+
 @pytest.mark.parametrize(
     "architecture,extra",
     [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})],

@@ -16,7 +16,8 @@
 //
 // Returns (x, residual) of the last layer: the caller applies the final norm. x_in is
 // not modified. The intermediates (h, qkv, attn, ...) live in per-thread buffers reused
-// by every layer and step (layer_buffers), not in tensors allocated per op.
+// by every layer (and, for small steps, every step: layer_buffers), not in tensors
+// allocated per op.
 //
 // Arguments (L layers):
 //   x [T, H] float32; positions [T] int64
@@ -55,12 +56,10 @@ Tensor linear(const Tensor* tensors, const int64_t* ints, int64_t j, const Tenso
   return y;
 }
 
-// The activations of one layer, in buffers that outlive the call: one float32 block per
-// calling thread, grown to the largest step seen and then reused by every layer of every
-// step. Allocated afresh for each op (~8 per layer), a 512-token prompt step's ~15 MB of
-// intermediates fragmented the heap: the process kept ~30-60 MiB more resident after its
-// first large jobs than their live data needed (glibc does not return such memory, and
-// making it do so, by trimming or mmap, cost a third of the speed in page faults).
+// The activations of one layer, in buffers reused by every layer: one float32 block per
+// calling thread (page_backed_floats). Allocated afresh for each op (~8 per layer), a
+// 512-token prompt step's ~15 MB of intermediates fragmented the heap: the process kept
+// ~30-60 MiB more resident after its first large jobs than their live data needed.
 //   h        [T, H]          the normed input of qkv, then of gate_up
 //   qkv      [T, Nqkv]
 //   attn     [T, Hq * D]
@@ -73,17 +72,27 @@ struct LayerBuffers {
   Tensor h, qkv, attn, proj, gate_up, act;
 };
 
+thread_local Tensor layer_block;  // float32 [capacity]
+
+// A block up to this size is kept for the next step (decode steps: 64 sequences need
+// ~2 MB); a larger one (a prompt step of 512 tokens needs ~15 MB) is given back when its
+// step's stack is done, so that it and the step's logits (12.6 MB at 64 rows) are never
+// resident together. Mapping it again costs the next prompt step ~1 ms of a ~300.
+constexpr int64_t kKeptBlockFloats = (int64_t{4} << 20) / sizeof(float);
+
 LayerBuffers layer_buffers(int64_t t, int64_t hidden, int64_t qkv, int64_t attn,
                            int64_t gate_up, int64_t act) {
-  thread_local Tensor block;  // float32 [capacity]
   const int64_t widths[] = {hidden, qkv, attn, hidden, gate_up, act};
   int64_t total = 0;
   for (int64_t w : widths) total += t * w;
-  if (!block.defined() || block.numel() < total) block = at::empty({total}, at::kFloat);
+  if (!layer_block.defined() || layer_block.numel() < total) {
+    layer_block = Tensor();  // unmap the old block before mapping the new one
+    layer_block = page_backed_floats(total);
+  }
   Tensor views[6];
   int64_t offset = 0;
   for (int i = 0; i < 6; ++i) {
-    views[i] = block.narrow(0, offset, t * widths[i]).view({t, widths[i]});
+    views[i] = layer_block.narrow(0, offset, t * widths[i]).view({t, widths[i]});
     offset += t * widths[i];
   }
   return {views[0], views[1], views[2], views[3], views[4], views[5]};
@@ -133,6 +142,8 @@ std::tuple<Tensor, Tensor> decoder_stack(
     // The last layer's output is returned: a tensor of its own, not the reused buffer.
     x = layer + 1 < layers ? linear(p, n, 3, act, &buf.proj) : linear(p, n, 3, act);
   }
+  // A large block goes with buf's views, when this returns.
+  if (layer_block.numel() > kKeptBlockFloats) layer_block = Tensor();
   return {x, residual};
 }
 
