@@ -161,14 +161,22 @@ class TiledWeight:
         parts = [self.tiles, self.scales] + ([self.mins] if self.mins is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 -> x @ W^T [M, N] float32, with int8 activations (the kernels'
-        recipe: llama.cpp's Q8 blocks of 32, exact integer dot products per weight group)."""
+        recipe: llama.cpp's Q8 blocks of 32, exact integer dot products per weight group);
+        written into `out` (contiguous float32 [M, N]) when given."""
         ops = torch.ops.pagedllm
         mins = self.mins if self.mins is not None else _EMPTY
+        n = self.shape[0]
+        if out is None:
+            if self.kind == "u4":
+                return ops.u4_tiled_linear(x, self.tiles, self.scales, mins, n)
+            return ops.i8_tiled_linear(x, self.tiles, self.scales, mins, self.group, n)
         if self.kind == "u4":
-            return ops.u4_tiled_linear(x, self.tiles, self.scales, mins, self.shape[0])
-        return ops.i8_tiled_linear(x, self.tiles, self.scales, mins, self.group, self.shape[0])
+            ops.u4_tiled_linear_out(x, self.tiles, self.scales, mins, n, out)
+        else:
+            ops.i8_tiled_linear_out(x, self.tiles, self.scales, mins, self.group, n, out)
+        return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [*] of W as float32 [*, K] (an embedding lookup)."""

@@ -22,13 +22,19 @@ from .packed import PackedWeight, TiledWeight, cat_rows
 KernelWeight = TiledWeight | torch.Tensor  # what the fast path's kernels multiply by
 
 
-def packed_matmul(x: torch.Tensor, weight: KernelWeight) -> torch.Tensor:
-    """x [M, K] float32 @ weight [N, K]^T -> [M, N] float32.
+def packed_matmul(
+    x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K]^T -> [M, N] float32, into `out` (contiguous
+    float32 [M, N]) when given.
 
     weight: a TiledWeight, or a dense bf16 [N, K] tensor."""
     if isinstance(weight, torch.Tensor):
-        return torch.ops.pagedllm.bf16_linear(x, weight)
-    return weight.matmul(x)
+        if out is None:
+            return torch.ops.pagedllm.bf16_linear(x, weight)
+        torch.ops.pagedllm.bf16_linear_out(x, weight, out)
+        return out
+    return weight.matmul(x, out)
 
 
 def kernel_weight(weight: PackedWeight | torch.Tensor) -> KernelWeight:

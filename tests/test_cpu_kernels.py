@@ -141,6 +141,29 @@ def test_dense_bf16_linear_matches_bf16_math_and_is_batch_invariant(n, k):
         assert torch.equal(packed_matmul(x[:m], dense), full[:m]), m
 
 
+def test_linears_write_into_a_given_output_and_the_step_workspace():
+    """The LM head writes its logits into the step workspace (kernels/csrc/decoder.cpp):
+    the `_out` forms give the allocating forms' bits; the workspace grows and keeps its
+    pages; an output of the wrong shape is refused."""
+    from pagedllm_integrations.quant.packed_linear import kernel_weight, packed_matmul
+
+    n, k = 37, 96
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(15))
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(16)).bfloat16()
+    for weight in [*(kernel_weight(w) for w in weights(n, k)), dense]:
+        want = packed_matmul(x, weight)
+        out = ops().step_workspace(5 * n).view(5, n)
+        assert packed_matmul(x, weight, out=out) is out
+        assert torch.equal(out, want)
+        with pytest.raises(RuntimeError, match="out must be contiguous float32"):
+            packed_matmul(x, weight, out=torch.empty(4, n))
+    small = ops().step_workspace(16)
+    large = ops().step_workspace(1 << 20)  # grows: a new mapping
+    assert large.numel() == 1 << 20 and small.numel() == 16  # the old view stays valid
+    again = ops().step_workspace(64)
+    assert again.data_ptr() == large.data_ptr()  # kept, not mapped per call
+
+
 def test_compact_scales_are_float16_only_when_exact():
     w = quantize_u4(torch.randn(8, 64))
     assert w.compact().scales.dtype == torch.float32  # arbitrary float32 scales stay

@@ -46,11 +46,11 @@ def test_default_model_runs_the_fused_stack_with_the_module_paths_numbers(defaul
         model.use_fused_stack = True
 
 
-def test_large_steps_give_their_buffers_back_with_the_same_numbers(default_llm):
-    """24 prompts of ~40 tokens, prefilled in steps of hundreds of rows: the stack's layer
-    block (~15 MB at 512 rows) is mapped for each and given back after it, then a small one
-    is kept for the decodes;
-    24 rows of logits (4.7 MB) get pages of their own. Same numbers as the module path."""
+def test_steps_of_every_size_share_the_step_workspace_with_the_same_numbers(default_llm):
+    """24 prompts of ~40 tokens, prefilled in steps of hundreds of rows, then decoded: the
+    stack's layer buffers (~15 MB at 512 rows) and 24 rows of logits (4.7 MB) take turns in
+    the step workspace, which grows with the steps. Same numbers as the module path (whose
+    logits use the workspace alone), before and after the workspace has grown."""
     model = default_llm.engine.engine.model
     prompts = [f"Item {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(24)]
     params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True)
@@ -64,7 +64,7 @@ def test_large_steps_give_their_buffers_back_with_the_same_numbers(default_llm):
     try:
         fused = run(True)
         assert run(False) == fused
-        assert run(True) == fused  # the block mapped again
+        assert run(True) == fused
     finally:
         model.use_fused_stack = True
 

@@ -37,29 +37,22 @@ using bf16 = c10::BFloat16;
 // float32 [numel] in pages of its own (mmap), returned to the system when the last tensor
 // using them goes. Not from malloc: glibc raises its mmap threshold to the size of every
 // mmapped block it frees, after which blocks of that size come from the heap, and the holes
-// they leave there between steps stay resident (30-50 MiB after a few large jobs).
+// they leave there between steps stay resident (30-50 MiB after a few large jobs). Mapping
+// is not cheap either (12.6 MB mapped per step cost the LM head 3-5 ms at 64 rows, in page
+// faults): such blocks are kept and reused (decoder.cpp's step workspace).
 inline Tensor page_backed_floats(int64_t numel) {
   const size_t bytes = std::max<size_t>(static_cast<size_t>(numel) * sizeof(float), 1);
-  void* pages = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-  TORCH_CHECK(pages != MAP_FAILED, "cannot map ", bytes, " bytes for a kernel's output");
+  void* pages = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(pages != MAP_FAILED, "cannot map ", bytes, " bytes");
   return at::from_blob(
       pages, {numel}, [bytes](void* p) { munmap(p, bytes); }, at::TensorOptions(at::kFloat));
 }
-
-// Outputs from this size on get pages of their own: a step's logits (12.6 MB at 64 rows of
-// a 49k vocabulary) are the largest allocation of a decode step. Mapping them costs ~1k page
-// faults per 4 MiB, against the >= 0.6 GMAC of a linear that writes 4 MiB.
-constexpr int64_t kPageBackedOutputFloats = (int64_t{4} << 20) / sizeof(float);
 
 // A kernel's float32 output [rows, cols]: `out` when the caller passes one (decoder.cpp
 // hands in buffers it reuses from step to step), else a new tensor.
 inline Tensor float_output(Tensor* out, int64_t rows, int64_t cols,
                            const at::TensorOptions& options) {
-  if (out == nullptr) {
-    if (rows * cols >= kPageBackedOutputFloats && options.device().is_cpu())
-      return page_backed_floats(rows * cols).view({rows, cols});
-    return at::empty({rows, cols}, options.dtype(at::kFloat));
-  }
+  if (out == nullptr) return at::empty({rows, cols}, options.dtype(at::kFloat));
   TORCH_CHECK(out->dim() == 2 && out->size(0) == rows && out->size(1) == cols &&
                   out->is_contiguous() && out->scalar_type() == at::kFloat,
               "out must be contiguous float32 [", rows, ", ", cols, "]");

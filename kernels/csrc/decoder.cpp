@@ -15,9 +15,9 @@
 //   x        = linear(gated_act(linear(h)))       (gate_up, then down)
 //
 // Returns (x, residual) of the last layer: the caller applies the final norm. x_in is
-// not modified. The intermediates (h, qkv, attn, ...) live in per-thread buffers reused
-// by every layer (and, for small steps, every step: layer_buffers), not in tensors
-// allocated per op.
+// not modified. The intermediates (h, qkv, attn, ...) live in the calling thread's step
+// workspace, reused by every layer and step (layer_buffers), not in tensors allocated per
+// op.
 //
 // Arguments (L layers):
 //   x [T, H] float32; positions [T] int64
@@ -56,10 +56,27 @@ Tensor linear(const Tensor* tensors, const int64_t* ints, int64_t j, const Tenso
   return y;
 }
 
-// The activations of one layer, in buffers reused by every layer: one float32 block per
-// calling thread (page_backed_floats). Allocated afresh for each op (~8 per layer), a
-// 512-token prompt step's ~15 MB of intermediates fragmented the heap: the process kept
-// ~30-60 MiB more resident after its first large jobs than their live data needed.
+// The calling thread's step workspace: float32 pages of its own (page_backed_floats),
+// grown to the largest step and kept. While the decoder stack runs, its layer buffers live
+// there; after it, the step's logits (engine/models/layers.py's LMHead writes them there
+// through the step_workspace op). The two are never needed at once, so the process holds
+// the larger of them (~15 MB for a 512-token prompt step; 12.6 MB of logits for a decode
+// step of 64 sequences), not their sum, and neither is allocated per step: allocated per
+// op, a prompt step's intermediates fragmented the heap (the process kept 30-60 MiB more
+// resident after its first large jobs than their live data needed), and mapped per step,
+// the logits cost 3-5 ms of page faults.
+thread_local Tensor step_workspace;
+
+Tensor workspace_floats(int64_t numel) {
+  TORCH_CHECK(numel >= 0, "step_workspace: negative size ", numel);
+  if (!step_workspace.defined() || step_workspace.numel() < numel) {
+    step_workspace = Tensor();  // unmapped here unless a caller still holds a view of it
+    step_workspace = page_backed_floats(numel);
+  }
+  return step_workspace.narrow(0, 0, numel);
+}
+
+// The activations of one layer, in the step workspace, reused by every layer:
 //   h        [T, H]          the normed input of qkv, then of gate_up
 //   qkv      [T, Nqkv]
 //   attn     [T, Hq * D]
@@ -72,27 +89,16 @@ struct LayerBuffers {
   Tensor h, qkv, attn, proj, gate_up, act;
 };
 
-thread_local Tensor layer_block;  // float32 [capacity]
-
-// A block up to this size is kept for the next step (decode steps: 64 sequences need
-// ~2 MB); a larger one (a prompt step of 512 tokens needs ~15 MB) is given back when its
-// step's stack is done, so that it and the step's logits (12.6 MB at 64 rows) are never
-// resident together. Mapping it again costs the next prompt step ~1 ms of a ~300.
-constexpr int64_t kKeptBlockFloats = (int64_t{4} << 20) / sizeof(float);
-
 LayerBuffers layer_buffers(int64_t t, int64_t hidden, int64_t qkv, int64_t attn,
                            int64_t gate_up, int64_t act) {
   const int64_t widths[] = {hidden, qkv, attn, hidden, gate_up, act};
   int64_t total = 0;
   for (int64_t w : widths) total += t * w;
-  if (!layer_block.defined() || layer_block.numel() < total) {
-    layer_block = Tensor();  // unmap the old block before mapping the new one
-    layer_block = page_backed_floats(total);
-  }
+  const Tensor block = workspace_floats(total);
   Tensor views[6];
   int64_t offset = 0;
   for (int i = 0; i < 6; ++i) {
-    views[i] = layer_block.narrow(0, offset, t * widths[i]).view({t, widths[i]});
+    views[i] = block.narrow(0, offset, t * widths[i]).view({t, widths[i]});
     offset += t * widths[i];
   }
   return {views[0], views[1], views[2], views[3], views[4], views[5]};
@@ -142,8 +148,6 @@ std::tuple<Tensor, Tensor> decoder_stack(
     // The last layer's output is returned: a tensor of its own, not the reused buffer.
     x = layer + 1 < layers ? linear(p, n, 3, act, &buf.proj) : linear(p, n, 3, act);
   }
-  // A large block goes with buf's views, when this returns.
-  if (layer_block.numel() > kKeptBlockFloats) layer_block = Tensor();
   return {x, residual};
 }
 
@@ -157,4 +161,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "Tensor seq_lens, Tensor block_tables, float scale, float eps, int heads, int kv_heads, "
       "int head_dim) -> (Tensor, Tensor)",
       &pagedllm::decoder_stack);
+  // float32 [numel], a view of the calling thread's step workspace: valid until the next
+  // decoder_stack or step_workspace call on this thread, which may overwrite it.
+  m.def("step_workspace(int numel) -> Tensor", &pagedllm::workspace_floats);
 }

@@ -252,4 +252,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         [](const at::Tensor& x, const at::Tensor& weight) {
           return pagedllm::bf16_linear(x, weight);
         });
+  m.def("bf16_linear_out(Tensor x, Tensor weight, Tensor(a!) out) -> ()",
+        [](const at::Tensor& x, const at::Tensor& weight, at::Tensor out) {
+          pagedllm::bf16_linear(x, weight, &out);
+        });
 }

@@ -780,6 +780,19 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
            const at::Tensor& mins, int64_t group, int64_t n) {
           return pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n);
         });
+  // The same into a given float32 [M, n] (the LM head's logits into the step workspace).
+  m.def("u4_tiled_linear_out(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int n, "
+        "Tensor(a!) out) -> ()",
+        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+           const at::Tensor& mins, int64_t n, at::Tensor out) {
+          pagedllm::u4_tiled_linear(x, tiles, scales, mins, n, &out);
+        });
+  m.def("i8_tiled_linear_out(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int group, "
+        "int n, Tensor(a!) out) -> ()",
+        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+           const at::Tensor& mins, int64_t group, int64_t n, at::Tensor out) {
+          pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n, &out);
+        });
   m.def("tile_u4(Tensor qweight) -> Tensor", &pagedllm::tile_u4);
   m.def("tile_i8(Tensor qweight) -> Tensor", &pagedllm::tile_i8);
   m.def("tiled_rows(Tensor ids, Tensor tiles, Tensor scales, Tensor mins, int group, int n, "
