@@ -52,7 +52,9 @@ def test_steps_of_every_size_share_the_step_workspace_with_the_same_numbers(defa
     the step workspace, which grows with the steps. Same numbers as the module path (whose
     logits use the workspace alone), before and after the workspace has grown."""
     model = default_llm.engine.engine.model
-    prompts = [f"Item {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(24)]
+    prompts = [
+        f"Item {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(24)
+    ]
     params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True)
 
     def run(fused: bool) -> list:
