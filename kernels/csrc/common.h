@@ -21,12 +21,22 @@
 
 #include "thread_pool.h"
 
+// The instruction set each kernel is written for, chosen at compile time (-march=native):
+//   PAGEDLLM_AVX512  AVX512F + BW (Skylake-SP and later Xeons, Zen 4 and 5)
+//   PAGEDLLM_AVX2    AVX2 + FMA + F16C without AVX-512 (most laptops and desktops: Intel
+//                    Core before and since Ice Lake's client parts, Zen 1-3); 8-lane code
+//                    that runs, lane for lane, the same float32 operations as the 16-lane
+//                    code, so both give the same bits
+//   neither          plain C++, the same recipe one element at a time (slow)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512 1
 #if defined(__AVX512BF16__)
 #define PAGEDLLM_AVX512BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX2 1
 #endif
 
 namespace pagedllm {
@@ -98,6 +108,78 @@ inline __m512 tanh512(__m512 x) {
   const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e),
                                  _mm512_add_ps(_mm512_set1_ps(1.0f), e));
   return _mm512_or_ps(t, sign);
+}
+#endif
+
+#ifdef PAGEDLLM_AVX2
+// ------------------------------------------------- AVX2 forms of the helpers above
+// A 16-lane float vector as two 8-lane halves: lo holds lanes 0..7, hi lanes 8..15.
+
+// The sum of 8 lanes, paired as reduce16 pairs its last eight: quarters, pairs, last two.
+inline float reduce8(__m256 v8) {
+  const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+  const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+  const __m128 v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1));
+  return _mm_cvtss_f32(v1);
+}
+
+// reduce16 of the 16 lanes (lo, hi): the same additions in the same order, the same bits.
+inline float reduce16(__m256 lo, __m256 hi) { return reduce8(_mm256_add_ps(lo, hi)); }
+
+// The largest of 8 lanes.
+inline float reduce_max8(__m256 v8) {
+  const __m128 v4 = _mm_max_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+  const __m128 v2 = _mm_max_ps(v4, _mm_movehl_ps(v4, v4));
+  return _mm_cvtss_f32(_mm_max_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
+}
+
+// e^x as exp512 computes it, lane for lane the same bits: the same reduction and
+// polynomial, and p * 2^n rounded once. AVX2 has no vscalefps, so 2^n is applied in two
+// exact steps, 2^(n/2) and 2^(n - n/2): each factor is a normal float for every n that
+// reaches it (-126..128), and only the last product can round (to a subnormal or to inf).
+inline __m256 exp256(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  x = _mm256_min_ps(x, _mm256_set1_ps(89.0f));  // e^89 is inf already; keeps n <= 128
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 scale1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 scale2 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2));
+}
+
+// tanh(x) as tanh512: 1 - 2 / (e^{2x} + 1) through exp256 on -2|x|, sign restored.
+inline __m256 tanh256(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 e = exp256(_mm256_mul_ps(abs, _mm256_set1_ps(-2.0f)));
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e),
+                                 _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  return _mm256_or_ps(t, sign);
+}
+
+// 8 values in float32: bf16 widens exactly (a 16-bit shift), float16 through F16C.
+inline __m256 load8_float(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_float(const bf16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8_float(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
 
