@@ -273,7 +273,7 @@ def _cpu_description() -> str:
             elif key.strip() == "flags":
                 flags = set(value.split())
                 break
-    wanted = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
     return f"{model} ({', '.join(f for f in wanted if f in flags) or 'no AVX-512'})"
 
 

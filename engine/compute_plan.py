@@ -1,6 +1,6 @@
 """How the model computes on this machine: dtypes, kernels, weight format — chosen once.
 
-    dtype="auto" on a CPU with AVX-512 and a C++ compiler: the CPU fast path. Weights stay
+    dtype="auto" on a CPU with AVX-512 or AVX2 and a C++ compiler: the CPU fast path. Weights stay
         as the checkpoint packs them (GGUF Q4/Q5/Q6/Q8 and AWQ 4-bit in exact packed forms,
         float checkpoints in bf16). Packed linears quantize their input rows to int8 in
         blocks of 32 (as llama.cpp) and sum exact integer products per weight group (AMX
@@ -91,6 +91,10 @@ def cpu_fast_path_isa() -> str | None:
     """
     flags = _cpu_flags()
     if not {"avx512f", "avx512bw"} <= flags:
+        if {"avx2", "fma", "f16c"} <= flags:
+            # Most laptops and desktops (Intel Core client parts, AMD Zen 1-3): 8-lane
+            # forms of the same kernels, the same bits.
+            return "AVX2 CPU: int8 sums from vpmaddubsw, bf16 as float32 FMAs"
         return None
     int8 = "VNNI" if "avx512_vnni" in flags else "no VNNI"
     if "amx_int8" in flags:
@@ -147,7 +151,7 @@ def _fast_path_available(tensor_parallel_size: int) -> tuple[bool, str]:
         return False, "tensor parallelism runs the float32 path"
     isa = cpu_fast_path_isa()
     if isa is None:
-        return False, "the CPU has no AVX-512 (the fast path's kernels need AVX512F and BW)"
+        return False, "the CPU has neither AVX-512 (F, BW) nor AVX2 with FMA and F16C"
     from ..kernels import cpu_ext
 
     if not cpu_ext.load():

@@ -1,11 +1,12 @@
 """The packed linears on CPUs with less than this one: the same bits everywhere.
 
-`kernels/csrc/linear_packed.cpp` has three code paths: VNNI (vpdpbusd), AVX-512 without
-VNNI (vpmaddubsw sums, e.g. Skylake-SP), and plain C++ (no AVX-512). This machine runs the
-first; here the file is compiled again with the other two instruction sets switched off,
-each in a process of its own (the ops register under the same names), and every product
-must equal this process's bit for bit: the integer sums are exact on every path, and the
-float32 steps after them are the same operations in the same order.
+`kernels/csrc/linear_packed.cpp` has four code paths: AVX-512 with VNNI (vpdpbusd), AVX-512
+without VNNI (vpmaddubsw sums, e.g. Skylake-SP), AVX2 (8-lane vpmaddubsw sums, most laptops)
+and plain C++. The file is compiled again with instruction sets switched off, each build in
+a process of its own (the ops register under the same names), and every product must equal
+this process's bit for bit: the integer sums are exact on every path, and the float32 steps
+after them are the same operations in the same order. On an AVX2 machine the first two
+builds are its own AVX2 path again; the last is plain C++ everywhere.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def cases() -> list[tuple]:
     return out
 
 
-@pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512f"])
-def test_packed_linears_give_the_same_bits_without_vnni_or_avx512(flags, tmp_path):
+# -mno-avx2 switches AVX-512 off too (it builds on AVX2).
+@pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512f", "-mno-avx2"])
+def test_packed_linears_give_the_same_bits_on_every_instruction_set(flags, tmp_path):
     inputs = cases()
     torch.save(inputs, tmp_path / "in.pt")
     build = tmp_path / "build"

@@ -135,6 +135,42 @@ inline void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* d, 
 }
 #endif
 
+#ifdef PAGEDLLM_AVX2
+// quantize_row with 8-lane vectors: the same amax (a max is exact in any order), the same
+// d and inv, and cvtps2dq's round-half-even as nearbyint: the same bytes.
+inline void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, int32_t* xs) {
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i bound = _mm256_set1_epi32(127), neg_bound = _mm256_set1_epi32(-127);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* src = x + b * kBlock;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(src + 8 * i);
+    const __m256 m01 = _mm256_max_ps(_mm256_and_ps(v[0], sign_off), _mm256_and_ps(v[1], sign_off));
+    const __m256 m23 = _mm256_max_ps(_mm256_and_ps(v[2], sign_off), _mm256_and_ps(v[3], sign_off));
+    const float amax = reduce_max8(_mm256_max_ps(m01, m23));
+    d[b] = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    for (int h = 0; h < 2; ++h) {  // each half block: 16 values, 2 vectors
+      __m256i qv[2];
+      for (int i = 0; i < 2; ++i) {
+        qv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + i], inv));
+        qv[i] = _mm256_max_epi32(_mm256_min_epi32(qv[i], bound), neg_bound);
+      }
+      // int32 -> int16 -> int8; packs works within 128-bit lanes, the permute restores
+      // the order (the values fit, so nothing saturates).
+      const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(qv[0], qv[1]), 0xD8);
+      const __m128i bytes =
+          _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + h * kHalf), bytes);
+      const __m256i s8 = _mm256_add_epi32(qv[0], qv[1]);
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      xs[2 * b + h] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+    }
+  }
+}
+#endif
+
 // One row's xs32, md16 and md32 from its d and xs.
 inline void row_group_factors(const float* d, const int32_t* xs, int64_t k, int32_t* xs32,
                               float* md16, float* md32) {
@@ -166,8 +202,10 @@ QuantizedRows quantize_activations(const Tensor& x) {
   float* m32 = md32.data();
   parallel_for(0, m, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-#ifdef PAGEDLLM_AVX512
+#if defined(PAGEDLLM_AVX512)
       quantize_row_avx512(xp + r * k, k, qp + r * k, dp + r * blocks, sp + r * halves);
+#elif defined(PAGEDLLM_AVX2)
+      quantize_row_avx2(xp + r * k, k, qp + r * k, dp + r * blocks, sp + r * halves);
 #else
       quantize_row(xp + r * k, k, qp + r * k, dp + r * blocks, sp + r * halves);
 #endif
@@ -317,9 +355,110 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * out_stride, mask, acc[r]);
 }
+#elif defined(PAGEDLLM_AVX2)
+// AVX2 (no VNNI): a tile's 16 weight rows as two halves of 8 (bytes 0..31 and 32..63 of
+// each 64-byte vector), one half after the other, with the same float32 steps per lane as
+// the AVX-512 code. The integer sums come from vpmaddubsw (unsigned x signed bytes, pairs
+// summed into int16) and vpmaddwd (pairs of int16 into int32):
+//   u4: nibbles 0..15 times activations of at most 127 give pairs of at most 3810, so a
+//       whole group of 32 (8 vpmaddubsw per row) sums in int16 (<= 30480) before one
+//       vpmaddwd.
+//   i8: the bytes hold q + 128; pairs of those could overflow int16, so the signed q
+//       (byte xor 128) is used as |q| (unsigned, <= 128) times x with q's sign (pairs
+//       <= 32512), widened by vpmaddwd after every vector. The sum is q . x itself, the
+//       same exact integer as the other paths', with no 128 * sum(x) to take off.
+// With 16 vector registers, one half-tile pass holds MR <= 4 rows' float accumulators and
+// integer sums; a pass of more rows runs as two.
+
+inline __m256i broadcast4_avx2(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <Format F, int G, int MR, typename S>
+inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t r0,
+                           float* out, int64_t out_stride, int64_t lanes, int half,
+                           const TileData* next) {
+  static_assert(MR <= 4, "a half-tile pass holds at most 4 rows in registers");
+  const int64_t k = x.k, groups = k / G;
+  const S* scales = static_cast<const S*>(tile.scales) + 8 * half;
+  const S* mins = tile.mins != nullptr ? static_cast<const S*>(tile.mins) + 8 * half : nullptr;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  constexpr int64_t group_bytes = F == Format::kU4 ? G * 8 : G * 16;  // of the 16 rows
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // Prefetching as the AVX-512 code does; the second half reads the tile from L1.
+    if (half == 0 && MR <= 2) {
+      const char* ahead = reinterpret_cast<const char*>(tile.bytes + (g + kAhead) * group_bytes);
+      for (int64_t line = 0; line < group_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    } else if (half == 0 && next != nullptr) {
+      const char* ahead = reinterpret_cast<const char*>(next->bytes + g * group_bytes);
+      for (int64_t line = 0; line < group_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    const int64_t k0 = g * G;
+    __m256i exact[MR];
+    if constexpr (F == Format::kU4) {
+      const uint8_t* w = tile.bytes + g * 256 + 32 * half;
+      __m256i pairs[MR];  // int16 sums of the group, exact (see above)
+      for (int r = 0; r < MR; ++r) pairs[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xr = x.q + (r0 + r) * k + k0;
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, broadcast4_avx2(xr + 4 * p)));
+          pairs[r] = _mm256_add_epi16(pairs[r],
+                                      _mm256_maddubs_epi16(hi, broadcast4_avx2(xr + 4 * p + 16)));
+        }
+      }
+      for (int r = 0; r < MR; ++r) exact[r] = _mm256_madd_epi16(pairs[r], ones);
+    } else {
+      const uint8_t* w = tile.bytes + k0 * 16 + 32 * half;  // 64 bytes per 4 K values
+      for (int r = 0; r < MR; ++r) exact[r] = _mm256_setzero_si256();
+      for (int p = 0; p < G / 4; ++p) {
+        const __m256i q = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64)), flip);
+        const __m256i magnitude = _mm256_abs_epi8(q);  // -128 gives the byte 128: |q|
+        for (int r = 0; r < MR; ++r) {
+          const __m256i signed_x = _mm256_sign_epi8(broadcast4_avx2(x.q + (r0 + r) * k + k0 + 4 * p), q);
+          exact[r] = _mm256_add_epi32(
+              exact[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+        }
+      }
+    }
+    const __m256 s = load8_float(scales + g * kTile);
+    const __m256 mn = mins != nullptr ? load8_float(mins + g * kTile) : _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[r]),
+                               _mm256_mul_ps(s, _mm256_set1_ps(x.scale<G>(r0 + r, g))), acc[r]);
+      if (mins != nullptr)
+        acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.group_min_scale<G>(r0 + r, g)), acc[r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(8, lanes - 8 * half);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int r = 0; r < MR; ++r) _mm256_maskstore_ps(out + r * out_stride + 8 * half, mask, acc[r]);
+}
+
+template <Format F, int G, int MR, typename S>
+inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
+                      int64_t out_stride, int64_t lanes, const TileData* next = nullptr) {
+  if constexpr (MR > 4) {
+    tile_rows<F, G, 4, S>(tile, x, r0, out, out_stride, lanes, next);
+    tile_rows<F, G, MR - 4, S>(tile, x, r0 + 4, out + 4 * out_stride, out_stride, lanes);
+  } else {
+    for (int half = 0; half < 2 && 8 * half < lanes; ++half)
+      tile_rows_half<F, G, MR, S>(tile, x, r0, out, out_stride, lanes, half, next);
+  }
+}
 #else
-// Without AVX-512: the same recipe, one output element at a time (slow; the engine only
-// takes the fast path on AVX-512 CPUs).
+// Without AVX-512 or AVX2: the same recipe, one output element at a time (slow; the engine
+// only takes the fast path on AVX-512 and AVX2 CPUs).
 template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* /*next*/ = nullptr) {
