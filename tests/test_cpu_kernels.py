@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -474,3 +475,101 @@ def test_a_batch_of_decode_rows_gets_each_sequences_own_bits():
     assert torch.equal(together, alone)
     want = _attention_float64(q, k_cache, v_cache, cu, lens, tables, scale, 0, 0.0)
     torch.testing.assert_close(together.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _vector_attention() -> bool:
+    """Whether this CPU runs the vector attention kernels (AVX-512, or AVX2 with the same
+    bits); the plain C++ ones (std::exp, sums in key order) give other bits."""
+    flags = set(cpu_ext._cpu_flags().split())
+    return {"avx512f", "avx512bw"} <= flags or {"avx2", "fma", "f16c"} <= flags
+
+
+def _fma32(a, b, c):
+    """float32 a * b + c, rounded once up to double rounding through float64 (the product is
+    exact there; the sum rounds twice in about one case in 2^29: fixed inputs, so no flakes)."""
+    return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+
+
+def _exp512(x):
+    """common.h's exp512 (and exp256) lane by lane: p(r) * 2^n, 0 below -87."""
+    f = np.float32
+    x = np.asarray(x, f)
+    under = x < f(-87)
+    x = np.maximum(x, f(-87))
+    n = np.rint(x * f(1.44269504088896341)).astype(f)
+    r = _fma32(-n, f(0.693359375), x)
+    r = _fma32(-n, f(-2.12194440e-4), r)
+    p = np.full_like(x, f(1) / f(720))
+    for c in (f(1) / f(120), f(1) / f(24), f(1) / f(6), f(0.5), f(1), f(1)):
+        p = _fma32(p, r, c)
+    return np.where(under, f(0), np.ldexp(p, n.astype(np.int32))).astype(f)
+
+
+def _attend_recipe(q, keys, values, first, last, soft_cap):
+    """One query vector as the vector kernels attend it, in numpy float32: q [D] (scaled),
+    keys and values [L, D] of positions 0..L-1, visible first..last. Chunks of 64 keys;
+    scores summed over d in order; the chunk's total as a 16-lane vector, reduced in halves,
+    quarters, pairs; values added in key order."""
+    f = np.float32
+    run_max, run_sum, acc = f(-np.inf), f(0), np.zeros(q.shape[0], f)
+    for start in range(first // 64 * 64, last + 1, 64):
+        lo, hi = max(first, start) - start, min(last + 1, start + 64) - start
+        k = np.zeros((64, q.shape[0]), f)
+        k[: min(64, len(keys) - start)] = keys[start : start + 64]
+        s = np.zeros(64, f)
+        for x in range(q.shape[0]):
+            s = _fma32(q[x], k[:, x], s)
+        if soft_cap:  # tanh512: 1 - 2 / (e^{2|x|} + 1) through exp512, sign restored
+            cap = f(soft_cap)
+            e = _exp512(np.abs(s / cap) * f(-2))
+            t = (f(1) - e) / (f(1) + e)
+            s = cap * np.where(np.signbit(s), -t, t)
+        s = np.where((np.arange(64) >= lo) & (np.arange(64) < hi), s, f(-np.inf)).astype(f)
+        new_max = max(run_max, s.max())
+        corr = f(0) if run_max == -np.inf else _exp512(run_max - new_max)
+        p = _exp512(s - new_max)
+        t16 = p[0:16] + p[16:32] + p[32:48] + p[48:64]  # left to right, from 0 + p[0:16]
+        t8 = t16[:8] + t16[8:]
+        t4 = t8[:4] + t8[4:]
+        run_sum = run_sum * corr + ((t4[0] + t4[2]) + (t4[1] + t4[3]))
+        run_max = new_max
+        acc = acc * corr
+        for key in range(lo, hi):
+            acc = _fma32(p[key], values[start + key], acc)
+    return acc * (f(1) / run_sum)
+
+
+@pytest.mark.skipif(not _vector_attention(), reason="plain C++ attention: other bits")
+@pytest.mark.parametrize(
+    "rows,length,window,soft_cap",
+    [(1, 150, 0, 0.0), (1, 200, 0, 5.0), (3, 131, 40, 0.0), (20, 90, 0, 5.0)],
+)
+def test_attention_is_the_documented_recipe_bit_for_bit(rows, length, window, soft_cap):
+    """Every output of the vector kernels (decode rows read in place, prompt rows through
+    float32 scratch) equals the recipe written out in numpy float32, bit for bit: the
+    AVX-512 kernels and their AVX2 port (8-lane halves) run exactly these operations, so a
+    machine of either kind checks that its kernels give the other's bits."""
+    g = torch.Generator().manual_seed(length)
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    blocks = -(-length // block_size)
+    table = torch.randperm(blocks + 3, generator=g)[:blocks].to(torch.int32)
+    k_cache = torch.randn(blocks + 3, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(blocks + 3, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    ops().paged_attention_rows_(
+        q, *fast_layout(k_cache, v_cache), out, torch.tensor([0]),
+        torch.tensor([0, rows], dtype=torch.int32), torch.tensor([length], dtype=torch.int32),
+        table[None], scale, window, soft_cap,
+    )  # fmt: skip
+    keys = k_cache[table.long()].flatten(0, 1)[:length].float().numpy()  # [L, Hkv, D]
+    values = v_cache[table.long()].flatten(0, 1)[:length].float().numpy()
+    for r in range(rows):
+        last = length - rows + r
+        first = max(0, last - window + 1) if window else 0
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            qs = q[r, h].numpy() * np.float32(scale)  # as the kernel scales q
+            want = _attend_recipe(qs, keys[:, kv], values[:, kv], first, last, soft_cap)
+            assert torch.equal(out[r, h], torch.from_numpy(want)), (r, h)

@@ -30,8 +30,17 @@
 // the same keys, so they are attended together, up to kGroup at a time: they share each
 // key and value load and interleave their dependency chains, while every vector still runs
 // exactly its own sequence of operations (the same bits as one at a time).
+//
+// The vector kernels exist for AVX-512 and for AVX2 (8-lane vectors, 16 registers): the
+// AVX2 code runs, lane for lane, the AVX-512 code's float32 operations in its order (a
+// 16-lane vector is a pair of 8-lane halves, summed as reduce16 sums), so a row gets the
+// same bits on either; only how many vectors are in registers at once differs.
 
 #include "kernels.h"
+
+#if defined(PAGEDLLM_AVX512) || defined(PAGEDLLM_AVX2)
+#define PAGEDLLM_VECTOR_ATTENTION 1  // the kernels of 16-lane key groups below
+#endif
 
 namespace pagedllm {
 namespace {
@@ -45,6 +54,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #ifdef PAGEDLLM_AVX512
 inline float exp_scalar(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
+#elif defined(PAGEDLLM_AVX2)
+inline float exp_scalar(float x) { return _mm256_cvtss_f32(exp256(_mm256_set1_ps(x))); }
 #else
 inline float exp_scalar(float x) { return x == kNegInf ? 0.f : std::exp(x); }
 #endif
@@ -81,6 +92,8 @@ inline void widen(const bf16* src, float* dst, int64_t n) {
     _mm512_storeu_ps(dst + i,
                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
   }
+#elif defined(PAGEDLLM_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_float(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -345,13 +358,208 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
            kv_head * geo.head_stride + (pos % bs) * d;
   });
 }
+#elif defined(PAGEDLLM_AVX2)
+// ------------------------------------------------------------------------------- AVX2
+// The kernels above on 8-lane vectors. The AVX-512 code's 16-lane vector t of a chunk is
+// the pair of 8-lane vectors 2t (lanes 0..7) and 2t + 1 (lanes 8..15); every lane runs
+// the AVX-512 operations in their order (a score adds its d products in order, an output
+// its keys in order), and what is reduced across lanes (a chunk's total) is kept as the
+// same 16-lane vector, in (lo, hi) halves, and reduced by reduce16(lo, hi).
+//
+// Only the blocking differs, to fit 16 registers instead of 32: the scores of NV query
+// vectors are computed kKeyTile<NV> 8-lane vectors of keys at a time and reach the softmax
+// through memory (probs), and outputs are accumulated in slices of kSlice<NV> vectors.
+// Which sums are in flight together changes, never what a sum adds or in what order. The
+// two loops that do the FMAs (score_tile, accumulate_slice) are kept out of line: inlined
+// into attend_item, GCC kept some of their sums in memory, stored on every step.
+
+constexpr int kVectors8 = kChunk / 8;  // 8-lane vectors of a chunk
+
+// How many 8-lane vectors a group of NV query vectors works on at once, in 16 registers:
+// kKeyTile<NV> vectors of keys (NV x kKeyTile score sums, NV broadcast queries, a key) and
+// kSlice<NV> vectors of outputs (NV x kSlice accumulators, the values, a probability).
+// Enough independent FMA chains (6 to 12) to cover the FMA latency, without spills (but
+// for NV = 1 with bf16 values: one). For SmolLM2's 3 query heads per KV head, one group of
+// 3 with key tiles of 4 decoded about 20% faster than groups of 2 and 1 on Zen 3.
+template <int NV>
+constexpr int kKeyTile = NV == 1 ? 8 : NV <= 3 ? 4 : 2;
+template <int NV>
+constexpr int kSlice = NV == 1 ? 8 : NV == 2 ? 4 : 2;
+
+// The scores of NV query vectors (q: [NV][d], already scaled) against U 8-lane vectors of
+// keys, stored at scores[v * kChunk + 8 * u]. keys[u] holds dimension x of its 8 positions
+// at keys[u] + x * stride.
+template <int NV, int U, typename CacheT>
+__attribute__((noinline)) void score_tile(const float* q, int64_t d,
+                                          const CacheT* const (&keys)[U], int64_t stride,
+                                          float* scores) {
+  __m256 sums[NV][U];  // never escapes (see attend_chunk_in_place): stays in registers
+  for (int v = 0; v < NV; ++v)
+    for (int u = 0; u < U; ++u) sums[v][u] = _mm256_setzero_ps();
+  for (int64_t x = 0; x < d; ++x) {
+    __m256 qx[NV];
+    for (int v = 0; v < NV; ++v) qx[v] = _mm256_set1_ps(q[v * d + x]);
+    for (int u = 0; u < U; ++u) {
+      const __m256 key = load8_float(keys[u] + x * stride);
+      for (int v = 0; v < NV; ++v) sums[v][u] = _mm256_fmadd_ps(qx[v], key, sums[v][u]);
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int u = 0; u < U; ++u) _mm256_storeu_ps(scores + v * kChunk + 8 * u, sums[v][u]);
+}
+
+// The scores of NV query vectors against the chunk's 8-lane vectors of keys that hold
+// visible lanes ([lo, hi)), tile by tile, into scores [NV][kChunk]. key_at(i): the keys of
+// vector i, as in score_tile. Only the visible lanes' scores are used (the softmax masks
+// the others to -inf, whatever they hold, as the AVX-512 kernels do): tiles with none are
+// not computed, and a vector with none in a tile that has some reads a visible vector's
+// keys (its own table entry may lie past the sequence's blocks), so the loop has no branch.
+template <int NV, typename CacheT, typename KeyAt>
+inline void chunk_scores(const float* q, int64_t d, int64_t stride, int64_t lo, int64_t hi,
+                         const KeyAt& key_at, float* scores) {
+  constexpr int U = kKeyTile<NV>;
+  const int first = static_cast<int>(lo / 8), last = static_cast<int>((hi - 1) / 8);
+  for (int i0 = first / U * U; i0 <= last; i0 += U) {
+    const CacheT* keys[U];
+    for (int u = 0; u < U; ++u) keys[u] = key_at(std::min(std::max(i0 + u, first), last));
+    score_tile<NV, U, CacheT>(q, d, keys, stride, scores + 8 * i0);
+  }
+}
+
+// softmax_chunk for NV vectors whose scores lie in probs [NV][kChunk], replaced there by
+// their probabilities. The max is exact, whatever the order its lanes are compared in;
+// the total is the AVX-512 code's 16-lane sum: vector i of the chunk adds into half i % 2.
+template <int NV>
+inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
+                          float* running_max, float* running_sum, __m256 (&corr)[NV]) {
+  const __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i before_lo = _mm256_set1_epi32(static_cast<int>(lo) - 1);
+  const __m256i end = _mm256_set1_epi32(static_cast<int>(hi));
+  for (int v = 0; v < NV; ++v) {
+    float* p_v = probs + v * kChunk;
+    __m256 scores[kVectors8];
+    __m256 chunk_max = _mm256_set1_ps(running_max[v]);
+    for (int i = 0; i < kVectors8; ++i) {
+      scores[i] = _mm256_loadu_ps(p_v + 8 * i);
+      if (soft_cap > 0) {
+        const __m256 cap = _mm256_set1_ps(static_cast<float>(soft_cap));
+        scores[i] = _mm256_mul_ps(cap, tanh256(_mm256_div_ps(scores[i], cap)));
+      }
+      // lanes outside [lo, hi) are not this query's keys
+      const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(8 * i), lane0);
+      const __m256i visible = _mm256_and_si256(_mm256_cmpgt_epi32(lane, before_lo),
+                                               _mm256_cmpgt_epi32(end, lane));
+      scores[i] = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), scores[i],
+                                   _mm256_castsi256_ps(visible));
+      chunk_max = _mm256_max_ps(chunk_max, scores[i]);
+    }
+    const float new_max = reduce_max8(chunk_max);
+    const float correction =
+        running_max[v] == kNegInf ? 0.f : exp_scalar(running_max[v] - new_max);
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0..7, 8..15
+    for (int i = 0; i < kVectors8; ++i) {
+      const __m256 p = exp256(_mm256_sub_ps(scores[i], _mm256_set1_ps(new_max)));
+      _mm256_storeu_ps(p_v + 8 * i, p);
+      total[i % 2] = _mm256_add_ps(total[i % 2], p);
+    }
+    running_sum[v] = running_sum[v] * correction + reduce16(total[0], total[1]);
+    running_max[v] = new_max;
+    corr[v] = _mm256_set1_ps(correction);
+  }
+}
+
+// accumulate_slice on 8-lane vectors: a slice of W vectors (8W dimensions) of NV outputs
+// stays in registers over all the keys lo..hi, each lane updated as there. The values of
+// the keys of one group of 16 (16g .. 16g + 15) lie d apart, so value() is asked once per
+// group, not once per key.
+template <int NV, int W, typename CacheT, typename ValueAt>
+__attribute__((noinline)) void accumulate_slice(float* acc, int64_t d, int64_t x0,
+                                                const float* probs, const __m256 (&corr)[NV],
+                                                int64_t lo, int64_t hi, const ValueAt& value) {
+  __m256 a[NV][W];
+  for (int v = 0; v < NV; ++v)
+    for (int w = 0; w < W; ++w)
+      a[v][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * d + x0 + 8 * w), corr[v]);
+  for (int64_t key = lo; key < hi;) {
+    const int64_t group_end = std::min(hi, (key / 16 + 1) * 16);
+    for (const CacheT* val = value(key) + x0; key < group_end; ++key, val += d) {
+      __m256 vx[W];
+      for (int w = 0; w < W; ++w) vx[w] = load8_float(val + 8 * w);
+      for (int v = 0; v < NV; ++v) {
+        const __m256 p = _mm256_set1_ps(probs[v * kChunk + key]);
+        for (int w = 0; w < W; ++w) a[v][w] = _mm256_fmadd_ps(p, vx[w], a[v][w]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + v * d + x0 + 8 * w, a[v][w]);
+}
+
+template <int NV, typename CacheT, typename ValueAt>
+inline void accumulate_values(float* acc, int64_t d, const float* probs,
+                              const __m256 (&corr)[NV], int64_t lo, int64_t hi,
+                              const ValueAt& value) {
+  constexpr int W = kSlice<NV>;
+  int64_t x0 = 0;
+  for (; x0 + 8 * W <= d; x0 += 8 * W)
+    accumulate_slice<NV, W, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+  for (; x0 < d; x0 += 16)  // d % 16 == 0
+    accumulate_slice<NV, 2, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+}
+
+// attend_chunk_group on 8-lane vectors: NV query vectors against the chunk in scratch.
+// probs: [NV][kChunk], the scores and then the probabilities.
+template <int NV>
+inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
+                               int64_t hi, double soft_cap, float* running_max,
+                               float* running_sum, float* acc, float* probs) {
+  const float* keys_t = s.keys_t.data();
+  chunk_scores<NV, float>(q, d, kChunk, lo, hi, [&](int i) { return keys_t + 8 * i; }, probs);
+  __m256 corr[NV];
+  softmax_chunk<NV>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
+  const float* values = s.values.data();
+  accumulate_values<NV, float>(acc, d, probs, corr, lo, hi,
+                               [&](int64_t key) { return values + key * d; });
+}
+
+// attend_chunk_in_place on 8-lane vectors: keys and values read in place from the cache.
+// block_size % 16 == 0, so each group of 16 positions (g) lies in one block; where each
+// visible group starts is found once per chunk, not once per key and slice (a 64-bit
+// division per key cost more than the key's FMAs).
+template <int NV, typename CacheT>
+inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const CacheT* v_cache,
+                                  const int32_t* table, const Geometry& geo, int64_t kv_head,
+                                  int64_t start, int64_t lo, int64_t hi, double soft_cap,
+                                  float* running_max, float* running_sum, float* acc,
+                                  float* probs) {
+  constexpr int kGroups = kChunk / 16;
+  const int64_t d = geo.head_dim, bs = geo.block_size;
+  const CacheT* keys[kGroups];    // group g's keys, [D][bs] with its 16 lanes here; null: unseen
+  const CacheT* values[kGroups];  // group g's values, [16][D]
+  for (int g = 0; g < kGroups; ++g) {
+    keys[g] = values[g] = nullptr;
+    // No visible lane: not read (its table entry may lie past the sequence's blocks).
+    if (16 * g + 16 <= lo || 16 * g >= hi) continue;
+    const int64_t pos = start + 16 * g;
+    const int64_t block = static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
+                          kv_head * geo.head_stride;
+    keys[g] = k_cache + block + pos % bs;
+    values[g] = v_cache + block + (pos % bs) * d;
+  }
+  chunk_scores<NV, CacheT>(
+      q, d, bs, lo, hi, [&](int i) { return keys[i / 2] + 8 * (i % 2); }, probs);
+  __m256 corr[NV];
+  softmax_chunk<NV>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
+  accumulate_values<NV, CacheT>(acc, d, probs, corr, lo, hi,
+                                [&](int64_t key) { return values[key / 16] + (key % 16) * d; });
+}
 #endif
 
 // The `count` query vectors of one row (its G heads: vectors first .. first + count of the
 // item) against the loaded chunk, all with visible lanes [lo, hi).
 inline void attend_row_chunk(Scratch& s, int64_t first, int64_t count, int64_t d, int64_t lo,
                              int64_t hi, double soft_cap) {
-#ifdef PAGEDLLM_AVX512
+#ifdef PAGEDLLM_VECTOR_ATTENTION
   if (d % 16 == 0) {
     for (int64_t v = first; v < first + count; v += kGroup) {
       float* q = s.q.data() + v * d;
@@ -373,7 +581,7 @@ inline void attend_row_chunk(Scratch& s, int64_t first, int64_t count, int64_t d
                  s.acc.data() + v * d, s.probs.data());
 }
 
-#ifdef PAGEDLLM_AVX512
+#ifdef PAGEDLLM_VECTOR_ATTENTION
 // attend_row_chunk for a chunk read in place (attend_chunk_in_place).
 template <typename CacheT>
 inline void attend_row_in_place(Scratch& s, int64_t first, int64_t count, const CacheT* k_cache,
@@ -401,10 +609,11 @@ inline void attend_row_in_place(Scratch& s, int64_t first, int64_t count, const 
 }
 #endif
 
-// Whether items of few rows can read the cache in place (the AVX-512 kernels, 16-lane
-// groups of keys inside one block).
+// Whether items of few rows can read the cache in place (the vector kernels, 16-lane
+// groups of keys inside one block; the same test for AVX2, so that a geometry takes the
+// same path, with the same bits, on either).
 inline bool can_read_in_place(const Geometry& geo) {
-#ifdef PAGEDLLM_AVX512
+#ifdef PAGEDLLM_VECTOR_ATTENTION
   return geo.block_size % 16 == 0 && geo.head_dim % 16 == 0;
 #else
   (void)geo;
@@ -458,7 +667,7 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
         const int64_t hi = std::min(last[r] + 1, start + kChunk) - start;
         if (lo >= hi) continue;  // none of this chunk's keys is visible to this row
         const int64_t v0 = i * per_head + r * g_count;
-#ifdef PAGEDLLM_AVX512
+#ifdef PAGEDLLM_VECTOR_ATTENTION
         if (in_place) {
           attend_row_in_place(s, v0, g_count, k_cache, v_cache, table, geo, item.kv_head + i,
                               start, lo, hi, soft_cap);
