@@ -5,9 +5,10 @@
         float checkpoints in bf16). Packed linears quantize their input rows to int8 in
         blocks of 32 (as llama.cpp) and sum exact integer products per weight group (AMX
         tiles for batches where the CPU has AMX-INT8, AVX512-VNNI for few rows, or the
-        same sums from vpmaddubsw without it); bf16 linears multiply bf16 activations into
-        float32 sums (vdpbf16ps with AVX512-BF16 / AMX, else the same sums as float32
-        FMAs) (quant/packed_linear.py). Norms, rotary, activation, cache writes and
+        same sums from vpmaddubsw without it, in 8-lane halves on AVX2); bf16 linears
+        multiply bf16 activations into float32 sums (vdpbf16ps with AVX512-BF16 / AMX, else
+        the same sums as float32 FMAs) (quant/packed_linear.py). Every instruction set
+        gives the same bits (tests/test_cpu_kernels_isa.py). Norms, rotary, activation, cache writes and
         attention run as C++ kernels; the residual stream stays float32; the KV cache is
         bf16.
     dtype="auto" on other CPUs, or dtype="float32": the float32 reference path, token for

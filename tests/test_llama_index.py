@@ -361,9 +361,7 @@ def test_structured_predict_returns_a_valid_instance_20_of_20(llm) -> None:
         # Seeded, so that what the model writes is the same in every run: unseeded, how
         # many of 20 samples at temperature 0.8 copy the price varied between runs (8 of
         # 20 failed CI once).
-        sampled = llm.model_copy(
-            update={"temperature": 0.8, "max_new_tokens": 64, "seed": seed}
-        )
+        sampled = llm.model_copy(update={"temperature": 0.8, "max_new_tokens": 64, "seed": seed})
         return sampled.structured_predict(Rental, prompt, context=context)
 
     # From 20 threads at once: the sync API is thread-safe and the engine batches them.
