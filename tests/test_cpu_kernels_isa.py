@@ -100,3 +100,98 @@ def test_packed_linears_give_the_same_bits_on_every_instruction_set(flags, tmp_p
         else:
             ours = torch.ops.pagedllm.i8_tiled_linear(x, tiles, scales, mins, group, n)
         assert torch.equal(ours, other), (flags, kind, group, mins.numel() > 0)
+
+
+# The other vector kernels (attention, norms, activations, argmax, dense bf16 linears) have
+# AVX-512 and AVX2 forms that run the same float32 operations per element in the same order
+# (their plain C++ fallback uses std::exp, so it is not compared). On an AVX-512 CPU the whole
+# library is built again without AVX-512, i.e. its AVX2 kernels, and every output must equal
+# this process's bit for bit. An AVX2 CPU runs that build itself; there the attention's bits
+# are checked against its recipe written out in numpy (tests/test_cpu_kernels.py).
+CHILD_ALL = textwrap.dedent(
+    """
+    import sys, torch
+    from torch.utils import cpp_extension
+    csrc, build, flags, io = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4]
+    sources = sys.argv[5].split(",")
+    cpp_extension.load(
+        name="pagedllm_isa_check_all",
+        sources=[csrc + "/" + name for name in sources],
+        extra_cflags=["-O2", "-march=native", *flags, "-ffp-contract=off", "-fopenmp",
+                      "-std=c++17"],
+        extra_ldflags=["-fopenmp"], extra_include_paths=[csrc], build_directory=build,
+        is_python_module=False,
+    )
+    ops = torch.ops.pagedllm
+    out = []
+    for name, args, written in torch.load(io + "/in.pt"):
+        result = getattr(ops, name)(*args)
+        out.append(args[written] if written is not None else result)
+    torch.save(out, io + "/out.pt")
+    """
+)
+
+
+def vector_kernel_cases() -> list[tuple[str, list, int | None]]:
+    """(op name, arguments, index of the argument it writes or None for its result)."""
+    g = torch.Generator().manual_seed(5)
+    hidden, inter = 96, 160
+    x = torch.randn(5, hidden, generator=g) * 3
+    cases: list[tuple[str, list, int | None]] = [
+        ("rms_norm", [x, torch.rand(hidden, generator=g) + 0.5, 1e-5], None),
+        ("add_rms_norm", [x, torch.randn(5, hidden, generator=g), torch.rand(hidden), 1e-6], None),
+        ("argmax_rows", [torch.randn(4, 1003, generator=g)], None),
+    ]
+    gate_up = torch.randn(5, 2 * inter, generator=g) * 4
+    gate_up[0, :8] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 88.0, 100.0])
+    cases += [("gated_act", [gate_up, False], None), ("gated_act", [gate_up, True], None)]
+    weight = (torch.randn(37, hidden, generator=g) * 0.1).to(torch.bfloat16)
+    for rows in (1, 2, 5):  # the direct kernel (few rows) and the tiled one
+        cases.append(("bf16_linear", [torch.randn(rows, hidden, generator=g), weight], None))
+    # Attention over a bf16 cache [blocks, Hkv, D, bs] / [blocks, Hkv, bs, D]: decode rows
+    # and short rows read in place, a 20-row prompt chunk through scratch.
+    heads, kv_heads, d, bs = 6, 2, 32, 16
+    lens, query_lens = [1, 9, 40, 70, 130], [1, 1, 3, 1, 20]
+    tables, next_block = [], 0
+    for length in lens:
+        count = -(-length // bs)
+        tables.append(list(range(next_block, next_block + count)) + [0] * (9 - count))
+        next_block += count
+    order = torch.randperm(next_block, generator=g)  # scattered blocks
+    tables = [[int(order[b]) for b in row] for row in tables]
+    k_cache = torch.randn(next_block, kv_heads, d, bs, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(next_block, kv_heads, bs, d, generator=g).to(torch.bfloat16)
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], heads, d, generator=g)
+    for window, soft_cap in ((0, 0.0), (0, 5.0), (33, 0.0)):
+        args = [q, k_cache, v_cache, torch.zeros_like(q), torch.arange(len(lens)),
+                torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                torch.tensor(tables, dtype=torch.int32), d**-0.5, window, soft_cap]  # fmt: skip
+        cases.append(("paged_attention_rows_", args, 3))
+    return cases
+
+
+def test_vector_kernels_give_the_avx512_bits_on_avx2(tmp_path):
+    if "avx512f" not in cpu_ext._cpu_flags().split():
+        pytest.skip("this CPU builds the AVX2 kernels itself: there is no other build to compare")
+    inputs = vector_kernel_cases()
+    torch.save(inputs, tmp_path / "in.pt")
+    build = tmp_path / "build"
+    build.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_ALL, str(CSRC), str(build), "-mno-avx512f", str(tmp_path),
+         ",".join(cpu_ext._SOURCES)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(tmp_path / "out.pt")
+    ops = torch.ops.pagedllm
+    for (name, args, written), other in zip(inputs, theirs):
+        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        result = getattr(ops, name)(*args)
+        ours = args[written] if written is not None else result
+        assert torch.equal(ours, other), name
