@@ -236,6 +236,10 @@ def test_argmax_rows_is_torch_max_indices():
 def test_gated_activations():
     x = torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(2)) * 3
     x[0, :8] = torch.tensor([-30.0, -12.0, -6.0, -4.5, 0.0, 4.5, 12.0, 90.0])  # both tails
+    # Finite gates past the exp kernel's range (e^-g overflows): -0 * up and g * up as in
+    # torch, never NaN (the AVX-512 exp once gave NaN from about -2.4e38 down).
+    x[1, :8] = torch.tensor([-3.4e38, -3e38, -1e30, -1e14, 1e14, 1e30, 3e38, 1e3])
+    x[1, 40:48] = 0.5  # their ups: g * up stays finite in float32
     gate, up = x.chunk(2, dim=-1)
     silu = torch.nn.functional.silu(gate) * up
     gelu = torch.nn.functional.gelu(gate, approximate="tanh") * up

@@ -82,11 +82,14 @@ inline float reduce16(__m512 v) {
 #endif
 
 #ifdef PAGEDLLM_AVX512
-// e^x, 1-2 ulp: 2^n * p(r), x = n ln2 + r (e^-inf = 0, large x overflows to inf).
+// e^x, 1-2 ulp: 2^n * p(r), x = n ln2 + r (e^-inf = 0, e^x = inf from x = 89 up).
 inline __m512 exp512(__m512 x) {
   const __m512 lowest = _mm512_set1_ps(-87.0f);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
   x = _mm512_max_ps(x, lowest);
+  // e^89 is inf already; without the clamp, x above ~2.4e38 gave NaN (inf - inf in the
+  // reduction), so a silu gate below -2.4e38 gave NaN instead of -0.
+  x = _mm512_min_ps(x, _mm512_set1_ps(89.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -141,7 +144,7 @@ inline __m256 exp256(__m256 x) {
   const __m256 lowest = _mm256_set1_ps(-87.0f);
   const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
   x = _mm256_max_ps(x, lowest);
-  x = _mm256_min_ps(x, _mm256_set1_ps(89.0f));  // e^89 is inf already; keeps n <= 128
+  x = _mm256_min_ps(x, _mm256_set1_ps(89.0f));  // as exp512; also keeps n <= 128
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

@@ -188,9 +188,7 @@ Tensor gated_act(const Tensor& x_in, bool gelu, Tensor* out_buffer = nullptr) {
         _mm512_storeu_ps(o + i, y);
       }
 #elif defined(PAGEDLLM_AVX2)
-      // The AVX-512 loop 8 lanes at a time: the same operations, so the same bits. (exp256
-      // is exp512 lane for lane up to 2.36e38; above, exp512 gives NaN and exp256 inf, so a
-      // gate below -1.5e13 (gelu) or -2.36e38 (silu) gives NaN there and -0 * up here.)
+      // The AVX-512 loop 8 lanes at a time: the same operations, so the same bits.
       const __m256 one = _mm256_set1_ps(1.0f);
       for (; i + 8 <= inner; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
