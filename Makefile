@@ -38,10 +38,10 @@ lint: install
 	$(BIN)/mypy pagedllm_integrations
 
 test: install lint
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-slow: install
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -m slow $(PYTEST_ARGS)
 
 format: install
 	$(BIN)/ruff check --fix .

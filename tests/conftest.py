@@ -4,6 +4,14 @@ random Llama checkpoints written by transformers into temporary folders."""
 from __future__ import annotations
 
 import os
+import sys
+
+# `python -m pytest` from the repository root puts the root on sys.path, and then the
+# folder `kernels/` (installed as pagedllm_integrations.kernels) hides Hugging Face's
+# `kernels` package, which transformers >= 5.25 imports. `make test` runs `python -P`;
+# this covers a hand-typed `python -m pytest`.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 # Triton's CPU interpreter must be chosen before triton is imported anywhere.
 try:

@@ -46,7 +46,7 @@ CHILD = textwrap.dedent(
 
 def run_child(mode: str, env: dict[str, str], timeout: float = 300) -> str:
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, mode],
+        [sys.executable, "-P", "-c", CHILD, mode],
         env=env,
         capture_output=True,
         text=True,
@@ -68,7 +68,7 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path: Path) -> None:
 
     # And a builder killed while it held pagedllm's own lock.
     holder = subprocess.Popen(
-        [sys.executable, "-c", CHILD, "hold-lock-and-hang"],
+        [sys.executable, "-P", "-c", CHILD, "hold-lock-and-hang"],
         env=env,
         stdout=subprocess.PIPE,
         text=True,

@@ -86,7 +86,7 @@ def test_packed_linears_give_the_same_bits_on_every_instruction_set(flags, tmp_p
     build = tmp_path / "build"
     build.mkdir()
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(CSRC), str(build), flags, str(tmp_path)],
+        [sys.executable, "-P", "-c", CHILD, str(CSRC), str(build), flags, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -181,7 +181,7 @@ def test_vector_kernels_give_the_avx512_bits_on_avx2(tmp_path):
     build = tmp_path / "build"
     build.mkdir()
     done = subprocess.run(
-        [sys.executable, "-c", CHILD_ALL, str(CSRC), str(build), "-mno-avx512f", str(tmp_path),
+        [sys.executable, "-P", "-c", CHILD_ALL, str(CSRC), str(build), "-mno-avx512f", str(tmp_path),
          ",".join(cpu_ext._SOURCES)],
         capture_output=True,
         text=True,

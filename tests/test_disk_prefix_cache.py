@@ -103,7 +103,7 @@ def test_a_new_process_loads_what_another_wrote_computes_less_and_answers_the_sa
     cache = tmp_path / "cache"
     # Process 1: three requests share the system prompt, so its blocks are hit twice.
     done = subprocess.run(
-        [sys.executable, "-c", _WRITER, str(tiny_llama_dir), str(cache),
+        [sys.executable, "-P", "-c", _WRITER, str(tiny_llama_dir), str(cache),
          json.dumps(prompts[:3]), json.dumps(ENGINE)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

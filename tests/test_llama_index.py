@@ -54,7 +54,7 @@ def index():
 # ------------------------------------------------------------------- no model needed
 def test_importing_the_package_does_not_import_llama_index() -> None:
     code = "import sys, pagedllm_integrations; print('llama_index' in ' '.join(sys.modules))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 

@@ -105,7 +105,7 @@ print(json.dumps({"before": before, "loaded": loaded, "after": after}))
 
 def test_resident_memory_drops_back_after_close():
     done = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, timeout=600
+        [sys.executable, "-P", "-c", _RSS_SCRIPT], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rss = json.loads(done.stdout.strip().splitlines()[-1])

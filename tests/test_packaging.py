@@ -113,7 +113,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("command", [["serve"], ["serve", "--model", "x.gguf", "--port", "9"]])
 def test_serve_without_the_server_extra_says_which_extra_in_one_line(command):
     done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_SERVER_EXTRA, *command],
+        [sys.executable, "-P", "-c", _WITHOUT_SERVER_EXTRA, *command],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2
