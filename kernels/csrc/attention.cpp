@@ -48,7 +48,7 @@ namespace {
 constexpr int64_t kChunk = 64;
 constexpr int64_t kQueryBlock = 16;
 constexpr int kGroup = 4;  // query vectors attended together (their scores stay in registers)
-constexpr int64_t kInPlaceRows = 4;  // items of up to this many rows read the cache in place
+constexpr int64_t kInPlaceRows = 8;  // items of up to this many rows read the cache in place
 constexpr int64_t kSequencesPerThread = 4;  // from this many per thread, items span all heads
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -621,6 +621,15 @@ inline bool can_read_in_place(const Geometry& geo) {
 #endif
 }
 
+// Whether the whole chunk at `start` is visible to every row (first/last: each row's
+// visible keys, inclusive).
+inline bool visible_to_all(const std::vector<int64_t>& first, const std::vector<int64_t>& last,
+                           int64_t start) {
+  for (size_t r = 0; r < first.size(); ++r)
+    if (first[r] > start || last[r] + 1 < start + kChunk) return false;
+  return true;
+}
+
 template <typename CacheT>
 void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const CacheT* v_cache,
                  float* op, const int32_t* cu, const int32_t* lens, const int32_t* tables,
@@ -662,6 +671,17 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
     // all its KV heads side by side, so an item of all heads reads each block's bytes in
     // one pass.
     for (int64_t i = 0; i < item.num_kv_heads; ++i) {
+#ifdef PAGEDLLM_VECTOR_ATTENTION
+      // Where every row sees the whole chunk (all chunks but the last of a verification or
+      // short prompt step), the rows' vectors are attended together, kGroup at a time
+      // across rows: more vectors share each key and value load. Each vector's arithmetic
+      // is unchanged, so are its bits.
+      if (in_place && item.num_rows > 1 && visible_to_all(first, last, start)) {
+        attend_row_in_place(s, i * per_head, per_head, k_cache, v_cache, table, geo,
+                            item.kv_head + i, start, 0, kChunk, soft_cap);
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < item.num_rows; ++r) {
         const int64_t lo = std::max(first[r], start) - start;
         const int64_t hi = std::min(last[r] + 1, start + kChunk) - start;
@@ -749,6 +769,14 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
   // keys from 14.3 to 13.8 ms per step (30 layers). Every head's arithmetic is the same.
   const bool whole_sequences =
       can_read_in_place(geo) && seqs.numel() >= kSequencesPerThread * pool_threads();
+  // With fewer (sequence, KV head) items than two per thread (one sequence verifying its
+  // drafts: 3 items of 5 rows on 2 threads ran as 2 + 1), in-place items of several rows
+  // are split by rows, into up to `row_parts` items.
+  int64_t row_parts = 1;
+  if (!whole_sequences && can_read_in_place(geo)) {
+    const int64_t base_items = seqs.numel() * geo.kv_heads;
+    row_parts = std::max<int64_t>(1, (2 * pool_threads() + base_items - 1) / base_items);
+  }
   for (int64_t i = 0; i < seqs.numel(); ++i) {
     const int64_t b = seq_p[i];
     const int64_t query_len = cu_p[b + 1] - cu_p[b];
@@ -758,6 +786,15 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
       const int64_t span = window > 0 ? std::min<int64_t>(keys, window + rows) : keys;
       if (whole_sequences && rows <= kInPlaceRows) {
         items.push_back({b, 0, j0, rows, geo.kv_heads, span * rows * geo.kv_heads});
+        continue;
+      }
+      if (rows <= kInPlaceRows && row_parts > 1) {
+        const int64_t part = (rows + row_parts - 1) / row_parts;
+        for (int64_t h = 0; h < geo.kv_heads; ++h)
+          for (int64_t r0 = 0; r0 < rows; r0 += part) {
+            const int64_t n = std::min(part, rows - r0);
+            items.push_back({b, h, j0 + r0, n, 1, (span - rows + r0 + n) * n});
+          }
         continue;
       }
       for (int64_t h = 0; h < geo.kv_heads; ++h) items.push_back({b, h, j0, rows, 1, span * rows});
