@@ -6,13 +6,6 @@ from __future__ import annotations
 import os
 import sys
 
-# `python -m pytest` from the repository root puts the root on sys.path, and then the
-# folder `kernels/` (installed as pagedllm_integrations.kernels) hides Hugging Face's
-# `kernels` package, which transformers >= 5.25 imports. `make test` runs `python -P`;
-# this covers a hand-typed `python -m pytest`.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
-
 # Triton's CPU interpreter must be chosen before triton is imported anywhere.
 try:
     import torch as _torch
@@ -32,6 +25,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# `python -m pytest` from the repository root puts the root on sys.path, and then the
+# folder `kernels/` (installed as pagedllm_integrations.kernels) hides Hugging Face's
+# `kernels` package, which transformers >= 5.25 imports. `make test` runs `python -P`;
+# this covers a hand-typed `python -m pytest`.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 
 @pytest.fixture(scope="session")
