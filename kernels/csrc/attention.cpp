@@ -667,16 +667,18 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
     if (!in_place)
       load_chunk(k_cache, v_cache, table, geo, item.kv_head, start, std::max(start, lowest),
                  std::min(start + kChunk, highest + 1), s);
+    // Where every row sees the whole chunk (all chunks but the last of a verification or
+    // short prompt step), the rows' vectors are attended together, kGroup at a time across
+    // rows: more vectors share each key and value load. Each vector's arithmetic is
+    // unchanged, so are its bits.
+    [[maybe_unused]] const bool rows_together =
+        in_place && item.num_rows > 1 && visible_to_all(first, last, start);
     // The heads of a chunk one after another: a block holds the keys (and the values) of
     // all its KV heads side by side, so an item of all heads reads each block's bytes in
     // one pass.
     for (int64_t i = 0; i < item.num_kv_heads; ++i) {
 #ifdef PAGEDLLM_VECTOR_ATTENTION
-      // Where every row sees the whole chunk (all chunks but the last of a verification or
-      // short prompt step), the rows' vectors are attended together, kGroup at a time
-      // across rows: more vectors share each key and value load. Each vector's arithmetic
-      // is unchanged, so are its bits.
-      if (in_place && item.num_rows > 1 && visible_to_all(first, last, start)) {
+      if (rows_together) {
         attend_row_in_place(s, i * per_head, per_head, k_cache, v_cache, table, geo,
                             item.kv_head + i, start, 0, kChunk, soft_cap);
         continue;
