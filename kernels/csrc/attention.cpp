@@ -380,49 +380,120 @@ constexpr int kVectors8 = kChunk / 8;  // 8-lane vectors of a chunk
 // kSlice<NV> vectors of outputs (NV x kSlice accumulators, the values, a probability).
 // Enough independent FMA chains (6 to 12) to cover the FMA latency, without spills (but
 // for NV = 1 with bf16 values: one). For SmolLM2's 3 query heads per KV head, one group of
-// 3 with key tiles of 4 decoded about 20% faster than groups of 2 and 1 on Zen 3.
+// 3 with key tiles of 4 decoded about 20% faster than groups of 2 and 1 on Zen 3. Both are
+// even: keys and values are read 16 positions or dimensions (two vectors) at a time.
 template <int NV>
 constexpr int kKeyTile = NV == 1 ? 8 : NV <= 3 ? 4 : 2;
 template <int NV>
 constexpr int kSlice = NV == 1 ? 8 : NV == 2 ? 4 : 2;
 
-// The scores of NV query vectors (q: [NV][d], already scaled) against U 8-lane vectors of
-// keys, stored at scores[v * kChunk + 8 * u]. keys[u] holds dimension x of its 8 positions
-// at keys[u] + x * stride.
-template <int NV, int U, typename CacheT>
+// 16 consecutive elements of the cache as two 8-lane float32 vectors (a, b), in one of two
+// lane orders. kInOrder: elements 0..7 and 8..15, each half widened on its own. kEvenOdd
+// (bf16 only): the even elements 0, 2, .., 14 and the odd ones 1, 3, .., 15, from one
+// 32-byte load, a shift (the low half of each 32-bit pair) and a mask (the high half): half
+// the conversion work, which otherwise competes with the FMAs for the same ports. Every
+// lane's arithmetic is untouched; only which lane holds which element differs, undone
+// (in_order) where sums leave registers, once per tile or slice rather than once per key.
+enum class Lanes { kInOrder, kEvenOdd };
+
+template <Lanes L, typename CacheT>
+inline void load16(const CacheT* p, __m256& a, __m256& b) {
+  if constexpr (L == Lanes::kEvenOdd) {
+    static_assert(std::is_same_v<CacheT, bf16>, "even/odd lanes split 32-bit bf16 pairs");
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    a = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    b = _mm256_castsi256_ps(
+        _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    a = load8_float(p);
+    b = load8_float(p + 8);
+  }
+}
+
+// Half h of load16<L>(p) (0: a, 1: b) alone, so that one key vector at a time is live: the
+// score tiles of 3 query vectors need all 16 registers besides (with both halves loaded at
+// once, GCC kept one of their sums in memory, stored on every step).
+template <Lanes L, typename CacheT>
+inline __m256 load_half(const CacheT* p, int h) {
+  if constexpr (L == Lanes::kEvenOdd) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_castsi256_ps(
+        h == 0 ? _mm256_slli_epi32(raw, 16)
+               : _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    return load8_float(p + 8 * h);
+  }
+}
+
+// (a, b) in lane order L -> elements 0..7, 8..15.
+template <Lanes L>
+inline void in_order(__m256& a, __m256& b) {
+  if constexpr (L == Lanes::kEvenOdd) {
+    const __m256 low = _mm256_unpacklo_ps(a, b);   // 0 1 2 3 | 8 9 10 11
+    const __m256 high = _mm256_unpackhi_ps(a, b);  // 4 5 6 7 | 12 13 14 15
+    a = _mm256_permute2f128_ps(low, high, 0x20);
+    b = _mm256_permute2f128_ps(low, high, 0x31);
+  }
+}
+
+// Elements 0..7, 8..15 -> (a, b) in lane order L (in_order's inverse).
+template <Lanes L>
+inline void to_lane_order(__m256& a, __m256& b) {
+  if constexpr (L == Lanes::kEvenOdd) {
+    // shuffles: 0 2 8 10 | 4 6 12 14 and 1 3 9 11 | 5 7 13 15; then 64-bit pairs 0 2 1 3
+    const __m256d even = _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+    const __m256d odd = _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    a = _mm256_castpd_ps(_mm256_permute4x64_pd(even, _MM_SHUFFLE(3, 1, 2, 0)));
+    b = _mm256_castpd_ps(_mm256_permute4x64_pd(odd, _MM_SHUFFLE(3, 1, 2, 0)));
+  }
+}
+
+// The lane order of a cache's keys and values in registers: float32 scratch in order.
+template <typename CacheT>
+constexpr Lanes kLanes = std::is_same_v<CacheT, bf16> ? Lanes::kEvenOdd : Lanes::kInOrder;
+
+// The scores of NV query vectors (q: [NV][d], already scaled) against P groups of 16 keys,
+// stored in order at scores[v * kChunk + 16 * p]. keys[p] holds dimension x of its 16
+// positions at keys[p] + x * stride.
+template <int NV, int P, typename CacheT>
 __attribute__((noinline)) void score_tile(const float* q, int64_t d,
-                                          const CacheT* const (&keys)[U], int64_t stride,
+                                          const CacheT* const (&keys)[P], int64_t stride,
                                           float* scores) {
-  __m256 sums[NV][U];  // never escapes (see attend_chunk_in_place): stays in registers
+  constexpr Lanes L = kLanes<CacheT>;
+  __m256 sums[NV][2 * P];  // never escapes (see attend_chunk_in_place): stays in registers
   for (int v = 0; v < NV; ++v)
-    for (int u = 0; u < U; ++u) sums[v][u] = _mm256_setzero_ps();
+    for (int u = 0; u < 2 * P; ++u) sums[v][u] = _mm256_setzero_ps();
   for (int64_t x = 0; x < d; ++x) {
     __m256 qx[NV];
     for (int v = 0; v < NV; ++v) qx[v] = _mm256_set1_ps(q[v * d + x]);
-    for (int u = 0; u < U; ++u) {
-      const __m256 key = load8_float(keys[u] + x * stride);
+    for (int u = 0; u < 2 * P; ++u) {
+      const __m256 key = load_half<L>(keys[u / 2] + x * stride, u % 2);
       for (int v = 0; v < NV; ++v) sums[v][u] = _mm256_fmadd_ps(qx[v], key, sums[v][u]);
     }
   }
   for (int v = 0; v < NV; ++v)
-    for (int u = 0; u < U; ++u) _mm256_storeu_ps(scores + v * kChunk + 8 * u, sums[v][u]);
+    for (int p = 0; p < P; ++p) {
+      in_order<L>(sums[v][2 * p], sums[v][2 * p + 1]);
+      _mm256_storeu_ps(scores + v * kChunk + 16 * p, sums[v][2 * p]);
+      _mm256_storeu_ps(scores + v * kChunk + 16 * p + 8, sums[v][2 * p + 1]);
+    }
 }
 
-// The scores of NV query vectors against the chunk's 8-lane vectors of keys that hold
-// visible lanes ([lo, hi)), tile by tile, into scores [NV][kChunk]. key_at(i): the keys of
-// vector i, as in score_tile. Only the visible lanes' scores are used (the softmax masks
-// the others to -inf, whatever they hold, as the AVX-512 kernels do): tiles with none are
-// not computed, and a vector with none in a tile that has some reads a visible vector's
-// keys (its own table entry may lie past the sequence's blocks), so the loop has no branch.
+// The scores of NV query vectors against the chunk's groups of 16 keys that hold visible
+// lanes ([lo, hi)), tile by tile, into scores [NV][kChunk]. key_at(g): the keys of group
+// g, as in score_tile. Only the visible lanes' scores are used (the softmax masks the
+// others to -inf, whatever they hold, as the AVX-512 kernels do): tiles with none are not
+// computed, and a group with none in a tile that has some reads a visible group's keys
+// (its own table entry may lie past the sequence's blocks), so the loop has no branch.
 template <int NV, typename CacheT, typename KeyAt>
 inline void chunk_scores(const float* q, int64_t d, int64_t stride, int64_t lo, int64_t hi,
                          const KeyAt& key_at, float* scores) {
-  constexpr int U = kKeyTile<NV>;
-  const int first = static_cast<int>(lo / 8), last = static_cast<int>((hi - 1) / 8);
-  for (int i0 = first / U * U; i0 <= last; i0 += U) {
-    const CacheT* keys[U];
-    for (int u = 0; u < U; ++u) keys[u] = key_at(std::min(std::max(i0 + u, first), last));
-    score_tile<NV, U, CacheT>(q, d, keys, stride, scores + 8 * i0);
+  constexpr int P = kKeyTile<NV> / 2;
+  const int first = static_cast<int>(lo / 16), last = static_cast<int>((hi - 1) / 16);
+  for (int g0 = first / P * P; g0 <= last; g0 += P) {
+    const CacheT* keys[P];
+    for (int p = 0; p < P; ++p) keys[p] = key_at(std::min(std::max(g0 + p, first), last));
+    score_tile<NV, P, CacheT>(q, d, keys, stride, scores + 16 * g0);
   }
 }
 
@@ -435,6 +506,7 @@ inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
   const __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i before_lo = _mm256_set1_epi32(static_cast<int>(lo) - 1);
   const __m256i end = _mm256_set1_epi32(static_cast<int>(hi));
+  const bool whole_chunk = lo == 0 && hi == kChunk;  // no lane to mask (most chunks)
   for (int v = 0; v < NV; ++v) {
     float* p_v = probs + v * kChunk;
     __m256 scores[kVectors8];
@@ -445,12 +517,13 @@ inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
         const __m256 cap = _mm256_set1_ps(static_cast<float>(soft_cap));
         scores[i] = _mm256_mul_ps(cap, tanh256(_mm256_div_ps(scores[i], cap)));
       }
-      // lanes outside [lo, hi) are not this query's keys
-      const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(8 * i), lane0);
-      const __m256i visible = _mm256_and_si256(_mm256_cmpgt_epi32(lane, before_lo),
-                                               _mm256_cmpgt_epi32(end, lane));
-      scores[i] = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), scores[i],
-                                   _mm256_castsi256_ps(visible));
+      if (!whole_chunk) {  // lanes outside [lo, hi) are not this query's keys
+        const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(8 * i), lane0);
+        const __m256i visible = _mm256_and_si256(_mm256_cmpgt_epi32(lane, before_lo),
+                                                 _mm256_cmpgt_epi32(end, lane));
+        scores[i] = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), scores[i],
+                                     _mm256_castsi256_ps(visible));
+      }
       chunk_max = _mm256_max_ps(chunk_max, scores[i]);
     }
     const float new_max = reduce_max8(chunk_max);
@@ -469,22 +542,28 @@ inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
 }
 
 // accumulate_slice on 8-lane vectors: a slice of W vectors (8W dimensions) of NV outputs
-// stays in registers over all the keys lo..hi, each lane updated as there. The values of
-// the keys of one group of 16 (16g .. 16g + 15) lie d apart, so value() is asked once per
-// group, not once per key.
+// stays in registers over all the keys lo..hi, each lane updated as there (in the values'
+// lane order while in registers). The values of the keys of one group of 16 (16g .. 16g +
+// 15) lie d apart, so value() is asked once per group, not once per key.
 template <int NV, int W, typename CacheT, typename ValueAt>
 __attribute__((noinline)) void accumulate_slice(float* acc, int64_t d, int64_t x0,
                                                 const float* probs, const __m256 (&corr)[NV],
                                                 int64_t lo, int64_t hi, const ValueAt& value) {
+  static_assert(W % 2 == 0, "values are loaded 16 dimensions at a time");
+  constexpr Lanes L = kLanes<CacheT>;
   __m256 a[NV][W];
   for (int v = 0; v < NV; ++v)
-    for (int w = 0; w < W; ++w)
-      a[v][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + v * d + x0 + 8 * w), corr[v]);
+    for (int w = 0; w < W; w += 2) {
+      float* out = acc + v * d + x0 + 8 * w;
+      a[v][w] = _mm256_mul_ps(_mm256_loadu_ps(out), corr[v]);
+      a[v][w + 1] = _mm256_mul_ps(_mm256_loadu_ps(out + 8), corr[v]);
+      to_lane_order<L>(a[v][w], a[v][w + 1]);
+    }
   for (int64_t key = lo; key < hi;) {
     const int64_t group_end = std::min(hi, (key / 16 + 1) * 16);
     for (const CacheT* val = value(key) + x0; key < group_end; ++key, val += d) {
       __m256 vx[W];
-      for (int w = 0; w < W; ++w) vx[w] = load8_float(val + 8 * w);
+      for (int w = 0; w < W; w += 2) load16<L>(val + 8 * w, vx[w], vx[w + 1]);
       for (int v = 0; v < NV; ++v) {
         const __m256 p = _mm256_set1_ps(probs[v * kChunk + key]);
         for (int w = 0; w < W; ++w) a[v][w] = _mm256_fmadd_ps(p, vx[w], a[v][w]);
@@ -492,7 +571,11 @@ __attribute__((noinline)) void accumulate_slice(float* acc, int64_t d, int64_t x
     }
   }
   for (int v = 0; v < NV; ++v)
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + v * d + x0 + 8 * w, a[v][w]);
+    for (int w = 0; w < W; w += 2) {
+      in_order<L>(a[v][w], a[v][w + 1]);
+      _mm256_storeu_ps(acc + v * d + x0 + 8 * w, a[v][w]);
+      _mm256_storeu_ps(acc + v * d + x0 + 8 * w + 8, a[v][w + 1]);
+    }
 }
 
 template <int NV, typename CacheT, typename ValueAt>
@@ -514,7 +597,7 @@ inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int6
                                int64_t hi, double soft_cap, float* running_max,
                                float* running_sum, float* acc, float* probs) {
   const float* keys_t = s.keys_t.data();
-  chunk_scores<NV, float>(q, d, kChunk, lo, hi, [&](int i) { return keys_t + 8 * i; }, probs);
+  chunk_scores<NV, float>(q, d, kChunk, lo, hi, [&](int g) { return keys_t + 16 * g; }, probs);
   __m256 corr[NV];
   softmax_chunk<NV>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
   const float* values = s.values.data();
@@ -547,7 +630,7 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
     values[g] = v_cache + block + (pos % bs) * d;
   }
   chunk_scores<NV, CacheT>(
-      q, d, bs, lo, hi, [&](int i) { return keys[i / 2] + 8 * (i % 2); }, probs);
+      q, d, bs, lo, hi, [&](int g) { return keys[g]; }, probs);
   __m256 corr[NV];
   softmax_chunk<NV>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
   accumulate_values<NV, CacheT>(acc, d, probs, corr, lo, hi,
