@@ -367,8 +367,13 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 //       (byte xor 128) is used as |q| (unsigned, <= 128) times x with q's sign (pairs
 //       <= 32512), widened by vpmaddwd after every vector. The sum is q . x itself, the
 //       same exact integer as the other paths', with no 128 * sum(x) to take off.
-// With 16 vector registers, one half-tile pass holds MR <= 4 rows' float accumulators and
-// integer sums; a pass of more rows runs as two.
+// With 16 vector registers, one half-tile pass holds MR <= kAvx2PassRows rows: 5 int16 or
+// int32 sums, the unpacked weights, the constants and a broadcast fill 15 of them, and the
+// float accumulators, touched once per group, may wait on the stack. So a step verifying 4
+// drafted tokens (5 rows) unpacks each weight tile once: with passes of at most 4, its 5th
+// row cost twice what the 4th did. A pass of more rows runs as two.
+
+constexpr int kAvx2PassRows = 5;
 
 inline __m256i broadcast4_avx2(const int8_t* p) {
   int32_t v;
@@ -385,7 +390,7 @@ template <Format F, int G, int MR, typename S>
 inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t r0,
                            float* out, int64_t out_stride, int64_t lanes, int half,
                            const TileData* next) {
-  static_assert(MR <= 4, "a half-tile pass holds at most 4 rows in registers");
+  static_assert(MR <= kAvx2PassRows, "more rows than a half-tile pass holds in registers");
   const int64_t k = x.k, groups = k / G;
   const S* scales = static_cast<const S*>(tile.scales) + 8 * half;
   const S* mins = tile.mins != nullptr ? static_cast<const S*>(tile.mins) + 8 * half : nullptr;
@@ -455,9 +460,10 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
 template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* next = nullptr) {
-  if constexpr (MR > 4) {
-    tile_rows<F, G, 4, S>(tile, x, r0, out, out_stride, lanes, next);
-    tile_rows<F, G, MR - 4, S>(tile, x, r0 + 4, out + 4 * out_stride, out_stride, lanes);
+  if constexpr (MR > kAvx2PassRows) {
+    constexpr int head = kAvx2PassRows;
+    tile_rows<F, G, head, S>(tile, x, r0, out, out_stride, lanes, next);
+    tile_rows<F, G, MR - head, S>(tile, x, r0 + head, out + head * out_stride, out_stride, lanes);
   } else {
     for (int half = 0; half < 2 && 8 * half < lanes; ++half)
       tile_rows_half<F, G, MR, S>(tile, x, r0, out, out_stride, lanes, half, next);
