@@ -3,10 +3,13 @@ alone over all the model's layers, the whole fused stack, and the LM head.
 
     python benchmarks/cpu_decode_step.py                 # 16 and 64 sequences x 192 keys
     python benchmarks/cpu_decode_step.py --rows 64 --keys 192 --repeat 9
+    python benchmarks/cpu_decode_step.py --verify --rows 1,4,5 --keys 1000   # speculation
 
 The model is the embedded SmolLM2-135M-Instruct GGUF with the engine's defaults (packed
 int4 linears, bf16 KV cache). Each of `--rows` sequences decodes one token with `--keys`
-keys in the cache, its blocks laid out one sequence after another. Every figure is the best
+keys in the cache, its blocks laid out one sequence after another. With `--verify`, the
+`--rows` are the query rows of one sequence instead, a step verifying `rows - 1` drafted
+tokens (prompt lookup) at `--keys` keys: what each row past the first costs. Every figure is the best
 of `--repeat` timings. The baseline, timed in the same run, is the torch reference
 attention (kernels/reference.py: gather the blocks, then SDPA) over the same keys and
 values in its own cache layout; the script prints the fast path's attention against it.
@@ -36,26 +39,32 @@ def best_of(repeat: int, fn) -> float:
     return best
 
 
-def measure(llm, rows: int, keys: int, repeat: int) -> dict:
+def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dict:
     from pagedllm_integrations.kernels import reference
 
     engine = llm.engine.engine
     model = engine.executor.model
     stack = model.fused_stack()
     if stack is None:
-        raise SystemExit("the fused CPU stack is off here (no AVX-512 or no C++ kernels)")
+        raise SystemExit("the fused CPU stack is off here (no AVX-512 or AVX2, or no C++ kernels)")
     caches = engine.executor.kv_caches
     ops = torch.ops.pagedllm
     hidden, layers = model.config.hidden_size, len(caches)
     heads, kv_heads, head_dim = stack.heads, stack.kv_heads, stack.head_dim
     per_seq = -(-keys // BLOCK)
-    if rows * per_seq > caches[0][0].shape[0]:
-        raise SystemExit(f"{rows} x {keys} keys do not fit the KV cache")
-    tables = torch.arange(rows * per_seq, dtype=torch.int32).view(rows, per_seq)
-    seq_lens = torch.full((rows,), keys, dtype=torch.int32)
-    cu = torch.arange(rows + 1, dtype=torch.int32)
-    positions = torch.full((rows,), keys - 1, dtype=torch.long)
-    slots = (tables[:, -1].long() * BLOCK + (keys - 1) % BLOCK).contiguous()
+    sequences = 1 if verify else rows
+    if sequences * per_seq > caches[0][0].shape[0]:
+        raise SystemExit(f"{sequences} x {keys} keys do not fit the KV cache")
+    tables = torch.arange(sequences * per_seq, dtype=torch.int32).view(sequences, per_seq)
+    seq_lens = torch.full((sequences,), keys, dtype=torch.int32)
+    if verify:  # one sequence's rows at positions keys - rows .. keys - 1
+        cu = torch.tensor([0, rows], dtype=torch.int32)
+        positions = torch.arange(keys - rows, keys, dtype=torch.long)
+        slots = positions.clone()  # its blocks are 0, 1, ...: slot = position
+    else:  # one row per sequence, at position keys - 1
+        cu = torch.arange(rows + 1, dtype=torch.int32)
+        positions = torch.full((rows,), keys - 1, dtype=torch.long)
+        slots = (tables[:, -1].long() * BLOCK + (keys - 1) % BLOCK).contiguous()
     x = torch.randn(rows, hidden)
     for k_cache, v_cache in caches:  # keys and values of the right scale, not zeros
         k_cache.copy_(torch.randn(k_cache.shape) * 0.5)
@@ -81,7 +90,7 @@ def measure(llm, rows: int, keys: int, repeat: int) -> dict:
     attn = torch.empty(rows, heads, head_dim)
     gate_up = linear(2, 0, h)
     act = ops.gated_act(gate_up, False)
-    seq_ids = torch.arange(rows)
+    seq_ids = torch.arange(sequences)
     residual = torch.randn(rows, hidden)  # add_rms_norm adds into it
     parts = {
         "norms": lambda: [
@@ -134,6 +143,9 @@ def measure(llm, rows: int, keys: int, repeat: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="16,64", help="sequences decoding at once")
+    parser.add_argument(
+        "--verify", action="store_true", help="--rows are one sequence's rows (1 + drafts)"
+    )
     parser.add_argument("--keys", type=int, default=192, help="keys in each sequence's cache")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument(
@@ -144,12 +156,14 @@ def main() -> int:
     from pagedllm_integrations import LLM
 
     all_rows = [int(r) for r in args.rows.split(",")]
-    blocks = max(all_rows) * -(-args.keys // BLOCK) + 1
+    blocks = (1 if args.verify else max(all_rows)) * -(-args.keys // BLOCK) + 1
     llm = LLM(None, num_kv_blocks=blocks, max_model_len=args.keys + BLOCK, disable_log_stats=True)
-    report = {"keys": args.keys, "threads": torch.get_num_threads(), "rows": {}}
+    report = {"keys": args.keys, "threads": torch.get_num_threads(), "verify": args.verify}
+    report["rows"] = {}
     for rows in all_rows:
-        report["rows"][str(rows)] = measure(llm, rows, args.keys, args.repeat)
-    print(f"ms per decode step, all layers ({args.keys} keys per sequence)")
+        report["rows"][str(rows)] = measure(llm, rows, args.keys, args.repeat, args.verify)
+    what = "rows of one sequence" if args.verify else "sequences"
+    print(f"ms per decode step, all layers ({args.keys} keys per sequence; columns: {what})")
     names = list(report["rows"][str(all_rows[0])])
     print(f"{'':>20}" + "".join(f"{f'{r} rows':>12}" for r in all_rows))
     for name in names:
