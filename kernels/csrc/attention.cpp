@@ -378,10 +378,10 @@ constexpr int kVectors8 = kChunk / 8;  // 8-lane vectors of a chunk
 // How many 8-lane vectors a group of NV query vectors works on at once, in 16 registers:
 // kKeyTile<NV> vectors of keys (NV x kKeyTile score sums, NV broadcast queries, a key) and
 // kSlice<NV> vectors of outputs (NV x kSlice accumulators, the values, a probability).
-// Enough independent FMA chains (6 to 12) to cover the FMA latency, without spills (but
-// for NV = 1 with bf16 values: one). For SmolLM2's 3 query heads per KV head, one group of
-// 3 with key tiles of 4 decoded about 20% faster than groups of 2 and 1 on Zen 3. Both are
-// even: keys and values are read 16 positions or dimensions (two vectors) at a time.
+// Enough independent FMA chains (6 to 12) to cover the FMA latency, without spills. For
+// SmolLM2's 3 query heads per KV head, one group of 3 with key tiles of 4 decoded about 20%
+// faster than groups of 2 and 1 on Zen 3. Both are even: keys and values are read 16
+// positions or dimensions (two vectors) at a time.
 template <int NV>
 constexpr int kKeyTile = NV == 1 ? 8 : NV <= 3 ? 4 : 2;
 template <int NV>
@@ -396,26 +396,14 @@ constexpr int kSlice = NV == 1 ? 8 : NV == 2 ? 4 : 2;
 // (in_order) where sums leave registers, once per tile or slice rather than once per key.
 enum class Lanes { kInOrder, kEvenOdd };
 
-template <Lanes L, typename CacheT>
-inline void load16(const CacheT* p, __m256& a, __m256& b) {
-  if constexpr (L == Lanes::kEvenOdd) {
-    static_assert(std::is_same_v<CacheT, bf16>, "even/odd lanes split 32-bit bf16 pairs");
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    a = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-    b = _mm256_castsi256_ps(
-        _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  } else {
-    a = load8_float(p);
-    b = load8_float(p + 8);
-  }
-}
-
-// Half h of load16<L>(p) (0: a, 1: b) alone, so that one key vector at a time is live: the
-// score tiles of 3 query vectors need all 16 registers besides (with both halves loaded at
-// once, GCC kept one of their sums in memory, stored on every step).
+// Half h of the 16 elements at p (0: a, 1: b) in lane order L. Keys are loaded one half at
+// a time, so that one key vector at a time is live: the score tiles of 3 query vectors
+// need all 16 registers besides (with both halves loaded at once, GCC kept one of their
+// sums in memory, stored on every step).
 template <Lanes L, typename CacheT>
 inline __m256 load_half(const CacheT* p, int h) {
   if constexpr (L == Lanes::kEvenOdd) {
+    static_assert(std::is_same_v<CacheT, bf16>, "even/odd lanes split 32-bit bf16 pairs");
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm256_castsi256_ps(
         h == 0 ? _mm256_slli_epi32(raw, 16)
@@ -423,6 +411,14 @@ inline __m256 load_half(const CacheT* p, int h) {
   } else {
     return load8_float(p + 8 * h);
   }
+}
+
+// Both halves (values: all of a slice's vectors are used at once; GCC loads the 32 bytes
+// once for the two).
+template <Lanes L, typename CacheT>
+inline void load16(const CacheT* p, __m256& a, __m256& b) {
+  a = load_half<L>(p, 0);
+  b = load_half<L>(p, 1);
 }
 
 // (a, b) in lane order L -> elements 0..7, 8..15.

@@ -461,9 +461,10 @@ template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* next = nullptr) {
   if constexpr (MR > kAvx2PassRows) {
-    constexpr int head = kAvx2PassRows;
-    tile_rows<F, G, head, S>(tile, x, r0, out, out_stride, lanes, next);
-    tile_rows<F, G, MR - head, S>(tile, x, r0 + head, out + head * out_stride, out_stride, lanes);
+    constexpr int kFirst = kAvx2PassRows;
+    tile_rows<F, G, kFirst, S>(tile, x, r0, out, out_stride, lanes, next);
+    tile_rows<F, G, MR - kFirst, S>(tile, x, r0 + kFirst, out + kFirst * out_stride,
+                                    out_stride, lanes);
   } else {
     for (int half = 0; half < 2 && 8 * half < lanes; ++half)
       tile_rows_half<F, G, MR, S>(tile, x, r0, out, out_stride, lanes, half, next);
