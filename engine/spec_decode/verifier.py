@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request import LogprobInfo, Request
-from ..sampler import Sampler, logprob_info
+from ..sampler import Sampler, greedy_argmax, logprob_info
 from ..sampling_params import SamplingParams
 
 
@@ -93,7 +93,7 @@ class DraftVerifier:
         emitted = [0] * len(requests)
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         if greedy:
-            choice = logits.max(dim=-1).indices.tolist()  # the sampler's greedy pick
+            choice = greedy_argmax(logits).tolist()  # the sampler's greedy pick
             for i in greedy:
                 first, tokens = first_rows[i], drafts[i]
                 accepted = 0
