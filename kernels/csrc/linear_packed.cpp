@@ -367,13 +367,16 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 //       (byte xor 128) is used as |q| (unsigned, <= 128) times x with q's sign (pairs
 //       <= 32512), widened by vpmaddwd after every vector. The sum is q . x itself, the
 //       same exact integer as the other paths', with no 128 * sum(x) to take off.
-// With 16 vector registers, one half-tile pass holds MR <= kAvx2PassRows rows: 5 int16 or
-// int32 sums, the unpacked weights, the constants and a broadcast fill 15 of them, and the
-// float accumulators, touched once per group, may wait on the stack. So a step verifying 4
-// drafted tokens (5 rows) unpacks each weight tile once: with passes of at most 4, its 5th
-// row cost twice what the 4th did. A pass of more rows runs as two.
+// With 16 vector registers, one half-tile pass holds MR <= kAvx2PassRows rows: the int16 or
+// int32 sums, the unpacked weights, the constants and a broadcast, while the float
+// accumulators, touched once per group, wait on the stack (at 6 rows GCC keeps a few sums
+// there too). So a step verifying up to 5 drafted tokens (6 rows: vLLM's n-gram example
+// drafts 5) unpacks each weight tile once. With passes of at most 4 a 5th row cost twice
+// what the 4th did; with passes of at most 5 the 6th row cost gate_up 31 us a layer, in one
+// pass of 6 it costs 19 (one thread, Zen 3), and 5 rows are unchanged. A pass of more rows
+// runs as two.
 
-constexpr int kAvx2PassRows = 5;
+constexpr int kAvx2PassRows = 6;
 
 inline __m256i broadcast4_avx2(const int8_t* p) {
   int32_t v;
