@@ -368,8 +368,8 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 //       <= 32512), widened by vpmaddwd after every vector. The sum is q . x itself, the
 //       same exact integer as the other paths', with no 128 * sum(x) to take off.
 // With 16 vector registers, one half-tile pass holds MR <= kAvx2PassRows rows: the int16 or
-// int32 sums, the unpacked weights, the constants and a broadcast, while the float
-// accumulators, touched once per group, wait on the stack (at 6 rows GCC keeps a few sums
+// int32 sums, the unpacked weights, the constants and a broadcast; the float accumulators,
+// touched once per group, may wait on the stack (at 6 rows GCC keeps a few integer sums
 // there too). So a step verifying up to 5 drafted tokens (6 rows: vLLM's n-gram example
 // drafts 5) unpacks each weight tile once. With passes of at most 4 a 5th row cost twice
 // what the 4th did; with passes of at most 5 the 6th row cost gate_up 31 us a layer, in one
@@ -464,10 +464,9 @@ template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* next = nullptr) {
   if constexpr (MR > kAvx2PassRows) {
-    constexpr int kFirst = kAvx2PassRows;
-    tile_rows<F, G, kFirst, S>(tile, x, r0, out, out_stride, lanes, next);
-    tile_rows<F, G, MR - kFirst, S>(tile, x, r0 + kFirst, out + kFirst * out_stride,
-                                    out_stride, lanes);
+    tile_rows<F, G, kAvx2PassRows, S>(tile, x, r0, out, out_stride, lanes, next);
+    tile_rows<F, G, MR - kAvx2PassRows, S>(tile, x, r0 + kAvx2PassRows,
+                                           out + kAvx2PassRows * out_stride, out_stride, lanes);
   } else {
     for (int half = 0; half < 2 && 8 * half < lanes; ++half)
       tile_rows_half<F, G, MR, S>(tile, x, r0, out, out_stride, lanes, half, next);
