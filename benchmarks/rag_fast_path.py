@@ -111,8 +111,14 @@ def add_prompt_lookup_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--random-prompts", type=int, default=8)
     group.add_argument("--random-prompt-tokens", type=int, default=600)
     group.add_argument("--num-speculative-tokens", type=int, default=4)
-    group.add_argument("--prompt-lookup-max", type=int, default=4)
+    group.add_argument("--prompt-lookup-max", type=int, default=8)
     group.add_argument("--prompt-lookup-min", type=int, default=2)
+    group.add_argument(
+        "--max-spec-factor",
+        type=lambda v: None if v == "none" else float(v),
+        default=1.0,
+        help="draft tokens per matched token at most ('none': always k, vLLM's n-gram rule)",
+    )
     group.add_argument("--repeats", type=int, default=2, help="runs per prompt and engine")
 
 
@@ -244,6 +250,7 @@ def run_prompt_lookup(args: argparse.Namespace) -> dict:
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
+        "max_spec_factor": args.max_spec_factor,
     }
     engine = AsyncEngine(
         max_model_len=2048,

@@ -43,12 +43,14 @@ from langchain_core.vectorstores import InMemoryVectorStore
 
 DATA = Path(__file__).resolve().parent / "data"
 
-# Speculative decoding by prompt lookup: up to 4 drafted tokens, from the earliest place in
-# the prompt (or the answer so far) where its last 4, 3 or 2 tokens occur.
+# Speculative decoding by prompt lookup: the tokens that follow the earliest place in the
+# prompt (or the answer so far) where the answer's last 8 .. 2 tokens occur, at most 4 and
+# no more than matched there (max_spec_factor 1.0, pagedllm's default: a 2-token match is a
+# weak guess, a 6-token one a strong one).
 PROMPT_LOOKUP = {
     "method": "ngram",
     "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4,
+    "prompt_lookup_max": 8,
     "prompt_lookup_min": 2,
 }
 

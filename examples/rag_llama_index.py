@@ -41,11 +41,12 @@ from pagedllm_integrations.llama_index import PagedLlamaIndexLLM
 
 DATA = Path(__file__).resolve().parent / "data"
 
-# Up to 4 drafted tokens, from where the answer's last 4, 3 or 2 tokens occur earlier.
+# Up to 4 drafted tokens, from where the answer's last 8 .. 2 tokens occur earlier, and no
+# more than matched there (max_spec_factor 1.0, pagedllm's default).
 PROMPT_LOOKUP = {
     "method": "ngram",
     "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4,
+    "prompt_lookup_max": 8,
     "prompt_lookup_min": 2,
 }
 

@@ -43,7 +43,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         help='speculative decoding by prompt lookup, as JSON: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 8, "prompt_lookup_min": 2}\'',
     )
 
 

@@ -46,6 +46,11 @@ def test_speculative_config_reads_vllms_dict_and_its_defaults():
     assert SpeculativeConfig.from_value(json.dumps(NGRAM)) == only_max
     assert SpeculativeConfig.from_value(only_max) is only_max
     assert SpeculativeConfig.from_value(None) is None
+    # pagedllm's own key: drafts bounded by their match (1.0) unless null asks for vLLM's rule.
+    assert only_max.max_spec_factor == 1.0
+    fixed = SpeculativeConfig.from_value(json.dumps({**NGRAM, "max_spec_factor": None}))
+    assert fixed.max_spec_factor is None and fixed.to_dict()["max_spec_factor"] is None
+    assert SpeculativeConfig.from_value({**NGRAM, "max_spec_factor": 2}).max_spec_factor == 2
 
 
 @pytest.mark.parametrize(
@@ -59,6 +64,10 @@ def test_speculative_config_reads_vllms_dict_and_its_defaults():
         ({**NGRAM, "num_speculative_tokens": 1000}, "<= 64"),
         ({**NGRAM, "prompt_lookup_min": 5}, r"prompt_lookup_min \(5\) must be <="),
         ({**NGRAM, "disable_by_batch_size": 8}, "disable_by_batch_size"),
+        ({**NGRAM, "max_spec_factor": 0}, "max_spec_factor must be a number > 0"),
+        ({**NGRAM, "max_spec_factor": "1"}, "max_spec_factor must be a number > 0"),
+        ({**NGRAM, "max_spec_factor": float("nan")}, "max_spec_factor must be a number > 0"),
+        ({**NGRAM, "max_spec_factor": True}, "max_spec_factor must be a number > 0"),
         ("{not json", "not valid JSON"),
         (4, "must be a dict"),
     ],
@@ -78,15 +87,18 @@ def test_engine_config_is_off_by_default_and_keeps_the_checked_config():
 
 
 # ---------------------------------------------------------------------- proposer
-def brute_force_draft(tokens: list[int], k: int, low: int, high: int) -> list[int]:
+def brute_force_draft(
+    tokens: list[int], k: int, low: int, high: int, factor: float | None = None
+) -> list[int]:
     """The rule written as a scan: longest n first, earliest occurrence that ends before the
-    last token, the k tokens after it."""
+    last token, the k tokens after it (at most factor * n of them)."""
     length = len(tokens)
     for n in range(min(high, length - 1), low - 1, -1):
         tail = tokens[length - n :]
         for start in range(0, length - n):
             if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + k]
+                count = k if factor is None else min(k, int(factor * n))
+                return tokens[start + n : start + n + count]
     return []
 
 
@@ -94,13 +106,30 @@ def request_of(tokens: list[int], max_tokens: int | None = 64) -> Request:
     return Request("r", list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
+def vllm_rule(k: int, high: int, low: int) -> SpeculativeConfig:
+    """vLLM's n-gram method: always k draft tokens (no bound by the match's length)."""
+    return SpeculativeConfig(k, high, low, max_spec_factor=None)
+
+
 def test_the_proposer_follows_vllms_example_and_prefers_the_longest_match():
-    proposer = NgramProposer(SpeculativeConfig(4, prompt_lookup_max=3, prompt_lookup_min=2))
+    proposer = NgramProposer(vllm_rule(4, 3, 2))
     assert proposer.propose(request_of([1, 2, 3, 4, 2, 3])) == [4, 2, 3]
     # [9, 2, 3] matches at the end (n = 3): its continuation wins over the earlier [2, 3].
     assert proposer.propose(request_of([2, 3, 5, 9, 2, 3, 7, 7, 9, 2, 3])) == [7, 7, 9, 2]
     assert proposer.propose(request_of([1, 2, 3, 4])) == []  # nothing repeats
     assert proposer.propose(request_of([1, 2, 3, 4, 2, 3]), max_tokens=1) == [4]
+
+
+def test_by_default_a_draft_is_no_longer_than_its_match():
+    """max_spec_factor 1.0 (the default): a 2-token match drafts 2, a 3-token match 3."""
+    proposer = NgramProposer(SpeculativeConfig(4, prompt_lookup_max=3, prompt_lookup_min=2))
+    assert proposer.propose(request_of([1, 2, 3, 4, 2, 3])) == [4, 2]
+    assert proposer.propose(request_of([2, 3, 5, 9, 2, 3, 7, 7, 9, 2, 3])) == [7, 7, 9]
+    half = NgramProposer(SpeculativeConfig(4, 3, 2, max_spec_factor=0.5))
+    assert half.propose(request_of([1, 2, 3, 4, 2, 3])) == [4]
+    assert half.propose(request_of([2, 3, 5, 9, 2, 3, 7, 7, 9, 2, 3])) == [7]
+    double = NgramProposer(SpeculativeConfig(4, 3, 2, max_spec_factor=2.0))
+    assert double.propose(request_of([1, 2, 3, 4, 2, 3])) == [4, 2, 3]
 
 
 @settings(max_examples=60, deadline=None)
@@ -109,16 +138,17 @@ def test_the_proposer_follows_vllms_example_and_prefers_the_longest_match():
     k=st.integers(1, 5),
     low=st.integers(1, 3),
     extra=st.integers(0, 2),
+    factor=st.sampled_from([None, 0.5, 1.0, 1.5]),
 )
-def test_the_incremental_index_proposes_what_a_full_scan_finds(tokens, k, low, extra):
+def test_the_incremental_index_proposes_what_a_full_scan_finds(tokens, k, low, extra, factor):
     """The index is extended as tokens are appended; at every length it must give what a
     scan of the whole sequence gives."""
-    proposer = NgramProposer(SpeculativeConfig(k, low + extra, low))
+    proposer = NgramProposer(SpeculativeConfig(k, low + extra, low, max_spec_factor=factor))
     request = request_of(tokens[:1])
     for token in tokens[1:]:
         request.append_output_token(token)
         assert proposer.propose(request) == brute_force_draft(
-            request.all_token_ids, k, low, low + extra
+            request.all_token_ids, k, low, low + extra, factor
         )
 
 
@@ -254,7 +284,7 @@ def test_drafted_slots_are_allocated_but_never_hashed_and_rejected_ones_come_bac
 def test_drafts_use_free_room_only_and_never_preempt():
     """Two decoding requests and blocks for their next token but not for drafts: both run,
     without drafts, and nobody is preempted."""
-    proposer = NgramProposer(SpeculativeConfig(4, 2, 1))
+    proposer = NgramProposer(vllm_rule(4, 2, 1))
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)
     scheduler = Scheduler(kv, 8, 64, max_model_len=64, proposer=proposer)
     requests = [Request(f"r{i}", [5, 6, 5, 6, 5, 6, 5], SamplingParams(max_tokens=8)) for i in "ab"]
@@ -273,7 +303,7 @@ def test_drafts_use_free_room_only_and_never_preempt():
 
 
 def test_drafts_stop_at_max_tokens_and_the_context_length():
-    proposer = NgramProposer(SpeculativeConfig(8, 2, 1))
+    proposer = NgramProposer(vllm_rule(8, 2, 1))
     kv = KVCacheManager(num_blocks=32, block_size=4, enable_caching=False)
     scheduler = Scheduler(kv, 8, 64, max_model_len=12, proposer=proposer)
     request = Request("r", [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -5,18 +5,30 @@
     pagedllm serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
 As in vLLM: with neither lookup bound given both are 5; with one given the other equals it.
+One key is pagedllm's own: max_spec_factor (default 1.0) drafts at most that many tokens
+per token of the match, as vLLM's suffix decoding does (spec_decode/ngram.py says why);
+null gives vLLM's n-gram rule, always num_speculative_tokens.
 Any other key is refused by name (a setting is honoured or refused, never ignored).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "max_spec_factor",
+    "model",
+)
 _DEFAULT_LOOKUP = 5
+DEFAULT_MAX_SPEC_FACTOR = 1.0
 # More drafted tokens per sequence than this is never useful on one step and lets a typo
 # (num_speculative_tokens=400) reserve hundreds of KV slots per sequence.
 MAX_SPECULATIVE_TOKENS = 64
@@ -26,12 +38,14 @@ MAX_SPECULATIVE_TOKENS = 64
 class SpeculativeConfig:
     """Prompt-lookup speculation: draft up to `num_speculative_tokens` tokens by matching the
     last n tokens (prompt_lookup_min <= n <= prompt_lookup_max, longest first) of a sequence
-    against its earlier tokens, and verify them in the next forward pass."""
+    against its earlier tokens, at most max_spec_factor * n of them (None: no such bound),
+    and verify them in the next forward pass."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = _DEFAULT_LOOKUP
     prompt_lookup_min: int = _DEFAULT_LOOKUP
     method: str = "ngram"
+    max_spec_factor: float | None = DEFAULT_MAX_SPEC_FACTOR
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -49,6 +63,17 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
                 f"got {self.num_speculative_tokens}"
+            )
+        factor = self.max_spec_factor
+        if factor is not None and (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not math.isfinite(factor)
+            or factor <= 0
+        ):
+            raise ValueError(
+                "speculative_config max_spec_factor must be a number > 0 (draft tokens per "
+                f"matched token) or null (always num_speculative_tokens), got {factor!r}"
             )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
@@ -109,6 +134,7 @@ class SpeculativeConfig:
             prompt_lookup_max=high,
             prompt_lookup_min=low,
             method=method,
+            max_spec_factor=settings.get("max_spec_factor", DEFAULT_MAX_SPEC_FACTOR),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,4 +143,5 @@ class SpeculativeConfig:
             "num_speculative_tokens": self.num_speculative_tokens,
             "prompt_lookup_max": self.prompt_lookup_max,
             "prompt_lookup_min": self.prompt_lookup_min,
+            "max_spec_factor": self.max_spec_factor,
         }

@@ -3,16 +3,28 @@
 For a sequence t_0 .. t_{L-1} (prompt, then outputs) and n from prompt_lookup_max down to
 prompt_lookup_min, the last n tokens t_{L-n} .. t_{L-1} are looked up among the n-grams
 that end before position L-1; at the first (longest) n that occurs, the earliest
-occurrence, ending at e, gives the draft t_{e+1} .. t_{e+k} (fewer when the sequence ends
-sooner). This is vLLM's rule (longest match, earliest position).
+occurrence, ending at e, gives the draft t_{e+1} .. t_{e+d}. This is vLLM's rule (longest
+match, earliest position).
 
     tokens:   ... the deposit is 50 euros per bike ...  How big is the deposit? The deposit is
     tail n=3:                                                              "The deposit is"
     earliest match of "deposit is" (n=2) -> draft "50 euros per bike"
 
-Each sequence keeps an index {n-gram: end of its first occurrence} on its `Request`, built
-once over the prompt and extended by the few tokens each step appends, so a proposal costs
-a few dictionary look-ups, not a scan of the context.
+How many tokens (d): vLLM's n-gram method always drafts num_speculative_tokens (k). A short
+match is a weak prediction, though: on the RAG workload a tail that matched only 2 tokens
+back had its first draft token accepted half the time and its fourth a quarter of the time,
+while matches of 8 or more tokens were accepted 80-96% of the way. Each drafted token costs
+a row of the verifying step, so pagedllm drafts at most max_spec_factor * n tokens (vLLM's
+suffix decoding bounds its drafts the same way, by its
+suffix_decoding_max_spec_factor): d = min(k, floor(max_spec_factor * n)), fewer where the
+sequence ends sooner. max_spec_factor None is vLLM's n-gram rule, d = k.
+
+The index: every prompt_lookup_min-gram of the sequence maps to the ends of its occurrences
+(in order), built once over the prompt and extended by the few tokens each step appends.
+A proposal looks up the tail's prompt_lookup_min-gram and walks its occurrences, earliest
+first, counting how far back each matches the tail (up to prompt_lookup_max); the first to
+match furthest is vLLM's choice. The walk stops as soon as one matches prompt_lookup_max
+tokens, so a sequence that repeats itself costs no more than one that does not.
 """
 
 from __future__ import annotations
@@ -25,10 +37,11 @@ from .config import SpeculativeConfig
 
 @dataclass(slots=True)
 class NgramIndex:
-    """The n-grams of tokens[: num_indexed] (all that end before the newest token)."""
+    """The prompt_lookup_min-grams of tokens[: num_indexed] (all that end before the newest
+    token) -> the positions where they end, ascending."""
 
-    first_end: dict[tuple[int, ...], int] = field(default_factory=dict)
-    num_indexed: int = 0  # n-grams ending at positions < num_indexed are in first_end
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    num_indexed: int = 0  # n-grams ending at positions < num_indexed are in ends
 
 
 class NgramProposer:
@@ -36,6 +49,7 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self.max_spec_factor = config.max_spec_factor
 
     def propose(self, request: Request, max_tokens: int | None = None) -> list[int]:
         """Up to min(k, max_tokens) draft tokens for the position after the sequence's last
@@ -49,16 +63,32 @@ class NgramProposer:
         if index is None:
             index = request.draft_index = NgramIndex()
         self._extend(index, tokens, length - 1)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = index.first_end.get(tuple(tokens[length - n :]))
-            if end is not None:
-                return tokens[end + 1 : end + 1 + limit]
-        return []
+        occurrences = index.ends.get(tuple(tokens[length - self.min_n :]))
+        if occurrences is None:
+            return []
+        longest = min(self.max_n, length - 1)
+        best_end, best_n = -1, 0
+        last = length - 1
+        for end in occurrences:  # earliest first: ties keep the earliest
+            n = self.min_n  # the min-gram itself matches
+            while n < longest and n <= end and tokens[end - n] == tokens[last - n]:
+                n += 1
+            if n > best_n:
+                best_end, best_n = end, n
+                if n == longest:
+                    break
+        if self.max_spec_factor is not None:
+            limit = min(limit, int(self.max_spec_factor * best_n))
+        return tokens[best_end + 1 : best_end + 1 + limit]
 
     def _extend(self, index: NgramIndex, tokens: list[int], upto: int) -> None:
-        """Add the n-grams that end at positions index.num_indexed .. upto - 1."""
-        first_end = index.first_end
-        for end in range(index.num_indexed, upto):
-            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                first_end.setdefault(tuple(tokens[end + 1 - n : end + 1]), end)
+        """Add the min-grams that end at positions index.num_indexed .. upto - 1."""
+        ends, n = index.ends, self.min_n
+        for end in range(max(index.num_indexed, n - 1), upto):
+            key = tuple(tokens[end + 1 - n : end + 1])
+            found = ends.get(key)
+            if found is None:
+                ends[key] = [end]
+            else:
+                found.append(end)
         index.num_indexed = max(index.num_indexed, upto)
