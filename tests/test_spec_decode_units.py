@@ -26,7 +26,7 @@ from pagedllm_integrations.engine.request import Request, RequestStatus
 from pagedllm_integrations.engine.sampler import Sampler
 from pagedllm_integrations.engine.scheduler import Scheduler
 from pagedllm_integrations.engine.spec_decode.config import SpeculativeConfig
-from pagedllm_integrations.engine.spec_decode.ngram import NgramProposer
+from pagedllm_integrations.engine.spec_decode.ngram import MAX_OCCURRENCES, NgramProposer
 from pagedllm_integrations.engine.spec_decode.verifier import DraftVerifier
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
@@ -130,6 +130,21 @@ def test_by_default_a_draft_is_no_longer_than_its_match():
     assert half.propose(request_of([2, 3, 5, 9, 2, 3, 7, 7, 9, 2, 3])) == [7]
     double = NgramProposer(SpeculativeConfig(4, 3, 2, max_spec_factor=2.0))
     assert double.propose(request_of([1, 2, 3, 4, 2, 3])) == [4, 2, 3]
+
+
+def test_a_proposal_walks_a_bounded_number_of_occurrences():
+    """A min-gram that occurs more than MAX_OCCURRENCES times: only the first that many are
+    followed back, so a longer match beyond them is not seen (the draft differs from
+    vLLM's; the outputs never depend on drafts)."""
+    filler = iter(range(1000, 2000))
+    tokens = []
+    for _ in range(MAX_OCCURRENCES):
+        tokens += [9, 5, next(filler)]
+    tokens += [8, 5, 42, 43, 0, 8, 5]  # the only earlier "8 5" lies past the bound
+    proposer = NgramProposer(SpeculativeConfig(2, 3, 1, max_spec_factor=None))
+    assert brute_force_draft(tokens, 2, 1, 3) == [42, 43]
+    assert proposer.propose(request_of(tokens)) == [1000, 9]  # the first "5", matched n=1
+    assert proposer.propose(request_of(tokens[:-2] + [9, 5])) == [1000, 9]  # n=2, earliest
 
 
 @settings(max_examples=60, deadline=None)
