@@ -144,7 +144,7 @@ def test_a_proposal_walks_a_bounded_number_of_occurrences():
     proposer = NgramProposer(SpeculativeConfig(2, 3, 1, max_spec_factor=None))
     assert brute_force_draft(tokens, 2, 1, 3) == [42, 43]
     assert proposer.propose(request_of(tokens)) == [1000, 9]  # the first "5", matched n=1
-    assert proposer.propose(request_of(tokens[:-2] + [9, 5])) == [1000, 9]  # n=2, earliest
+    assert proposer.propose(request_of([*tokens[:-2], 9, 5])) == [1000, 9]  # n=2, earliest
 
 
 @settings(max_examples=60, deadline=None)
