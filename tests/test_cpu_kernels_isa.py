@@ -69,7 +69,7 @@ def cases() -> list[tuple]:
         scales = torch.rand(n, k // group, generator=g) * 0.01
         mins = torch.randn(n, k // group, generator=g) * 0.01 if with_mins else None
         weights.append(PackedWeight("i8", q, scales, mins, group, (n, k)))
-    x = torch.randn(7, k, generator=g) * 2  # AVX2: a pass of 6 rows, then one of 1
+    x = torch.randn(7, k, generator=g) * 2  # AVX2: u4 passes of 6 + 1 rows, i8 of 4 + 3
     out = []
     for w in weights:
         tiled = w.tiled()

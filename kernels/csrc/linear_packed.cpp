@@ -374,10 +374,11 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 // drafts 5) unpacks each weight tile once. With passes of at most 4 a 5th row cost twice
 // what the 4th did; with passes of at most 5 the 6th row cost gate_up 31 us a layer, in one
 // pass of 6 it costs 19 (one thread, Zen 3), and 5 rows are unchanged. A pass of more rows
-// runs as two. The i8 kernel's rows need a register more each (the signed activations), and
-// at 5 and 6 rows GCC spills its int32 sums inside the loop (20-41 stack accesses per 16-24
-// vpmaddubsw): its passes take at most 4 rows, so the Q8_0 LM head at 5 rows runs as 4 + 1
-// (1.73-1.80 -> 1.54-1.63 ms a step on Zen 3, 2 threads; 6 and 7 rows 8-13% faster too).
+// runs as two. The i8 kernel keeps more per row (each row's activations signed by the
+// weights), and at 5 and 6 rows GCC spilled its int32 sums inside the loop (20-41 stack
+// accesses per 16-24 vpmaddubsw in the disassembly): its passes take at most 4 rows, so the
+// Q8_0 LM head at 5 rows runs as 4 + 1 (1.73-1.80 -> 1.54-1.63 ms a call on Zen 3, 2
+// threads; 6 and 7 rows 8-13% faster too).
 
 constexpr int kAvx2PassRows = 6;
 constexpr int kAvx2I8PassRows = 4;
