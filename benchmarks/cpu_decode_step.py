@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -152,7 +151,6 @@ def main() -> int:
         "--json", default=str(ROOT / "benchmarks" / "results" / "cpu_decode_step.json")
     )
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     from pagedllm_integrations import LLM
 
     all_rows = [int(r) for r in args.rows.split(",")]

@@ -16,19 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pagedllm_integrations.engine.attention_metadata import AttentionMetadata  # noqa: E402
-from pagedllm_integrations.engine.config import EngineConfig  # noqa: E402
-from pagedllm_integrations.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedllm_integrations.engine.sampling_params import SamplingParams  # noqa: E402
+from pagedllm_integrations.engine.attention_metadata import AttentionMetadata
+from pagedllm_integrations.engine.config import EngineConfig
+from pagedllm_integrations.engine.llm_engine import LLMEngine
+from pagedllm_integrations.engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -41,6 +37,8 @@ PROMPTS = [
     "about distant stars, strange machines and the people who built them. One day",
     "Translate to French: I like apples.",
 ]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @torch.inference_mode()

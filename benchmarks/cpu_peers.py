@@ -221,7 +221,6 @@ def main() -> int:
         print(_RESULT + json.dumps(WORKERS[args.worker](args)), flush=True)
         return 0
 
-    sys.path.insert(0, str(ROOT))
     from pagedllm_integrations.engine.model_loader import default_model_path
 
     gguf = default_model_path()
