@@ -107,7 +107,9 @@ def test_packed_linears_give_the_same_bits_on_every_instruction_set(flags, tmp_p
 # (their plain C++ fallback uses std::exp, so it is not compared). On an AVX-512 CPU the whole
 # library is built again without AVX-512, i.e. its AVX2 kernels, and every output must equal
 # this process's bit for bit. An AVX2 CPU runs that build itself; there the attention's bits
-# are checked against its recipe written out in numpy (tests/test_cpu_kernels.py).
+# are checked against its recipe written out in numpy (tests/test_cpu_kernels.py). A CPU
+# with AVX512-BF16 (vdpbf16ps in the dense bf16 linears) is also compared with its build
+# without it (the FMA emulation of AVX-512 CPUs such as Skylake-SP and Cascade Lake).
 CHILD_ALL = textwrap.dedent(
     """
     import sys, torch
@@ -173,15 +175,19 @@ def vector_kernel_cases() -> list[tuple[str, list, int | None]]:
     return cases
 
 
-def test_vector_kernels_give_the_avx512_bits_on_avx2(tmp_path):
-    if "avx512f" not in cpu_ext._cpu_flags().split():
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512bf16"])
+def test_vector_kernels_give_the_same_bits_without_avx512(flags, tmp_path):
+    cpu = cpu_ext._cpu_flags().split()
+    if "avx512f" not in cpu:
         pytest.skip("this CPU builds the AVX2 kernels itself: there is no other build to compare")
+    if flags == "-mno-avx512bf16" and "avx512_bf16" not in cpu:
+        pytest.skip("this CPU builds the AVX-512 kernels without BF16 itself")
     inputs = vector_kernel_cases()
     torch.save(inputs, tmp_path / "in.pt")
     build = tmp_path / "build"
     build.mkdir()
     done = subprocess.run(
-        [sys.executable, "-P", "-c", CHILD_ALL, str(CSRC), str(build), "-mno-avx512f", str(tmp_path),
+        [sys.executable, "-P", "-c", CHILD_ALL, str(CSRC), str(build), flags, str(tmp_path),
          ",".join(cpu_ext._SOURCES)],
         capture_output=True,
         text=True,
@@ -194,4 +200,4 @@ def test_vector_kernels_give_the_avx512_bits_on_avx2(tmp_path):
         args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         result = getattr(ops, name)(*args)
         ours = args[written] if written is not None else result
-        assert torch.equal(ours, other), name
+        assert torch.equal(ours, other), (flags, name)
