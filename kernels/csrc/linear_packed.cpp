@@ -51,13 +51,20 @@ constexpr int64_t kBlock = 32;      // activation quantization block along K
 constexpr int64_t kHalf = 16;       // the smallest weight group: half a block
 constexpr int64_t kRowChunk = 64;   // x rows whose quantized copy is reused across tiles
 constexpr int64_t kAhead = 8;       // weight groups prefetched ahead when few rows stream them
-// Rows of x per pass over a weight tile, and at most in the last pass. Passes of 8 rows
-// spill accumulators out of the 32 vector registers in the i8 kernel (the LM head at 8
-// rows took 3.4x as long as at 5); a last pass of 5-7 rows still fits, so 1 + k rows of
-// speculative verification read and unpack each weight tile once.
+// Rows of x per pass over a weight tile, and at most in the last pass. A last pass of
+// up to 7 rows lets 1 + k rows of speculative verification read and unpack each weight
+// tile once; passes of 8 were no faster for batches (gate_up and the LM head at 16 and 64
+// rows, Zen 4).
 constexpr int64_t kPassRows = 4;
 constexpr int64_t kLastPassRows = 7;
-constexpr int kFewRowsChains = 2;  // up to this many rows, 4 partial sums per row (else 2)
+// Integer partial sums per row and group (AVX-512): 4 up to kFewRowsChains rows, 2 up to
+// kTwoChainRows, else 1 (the pass's rows are then enough independent chains). With 2 at
+// 6 and 7 rows, the i8 kernel's 14 sums, 7 accumulators and their operands did not fit
+// the 32 vector registers: the Q8_0 LM head took 1.46-1.53 ms at 6 rows against 0.52-0.67
+// at 5; with 1 it takes 0.70-0.76 (Zen 4, 2 threads), and a batch whose last pass has 6
+// or 7 rows (59 rows: 7.3-7.9 -> 6.7-6.8 ms) no longer pays for it.
+constexpr int kFewRowsChains = 2;
+constexpr int kTwoChainRows = 5;
 
 template <typename S>
 inline float scalar_of(S v) {
@@ -279,7 +286,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
   const S* scales = static_cast<const S*>(tile.scales);
   const S* mins = static_cast<const S*>(tile.mins);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  constexpr int kChains = MR <= kFewRowsChains ? 4 : 2;
+  constexpr int kChains = MR <= kFewRowsChains ? 4 : MR <= kTwoChainRows ? 2 : 1;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   constexpr int64_t group_bytes = F == Format::kU4 ? G * 8 : G * 16;  // of the 16 rows
@@ -320,11 +327,11 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
         const __m512i v = _mm512_loadu_si512(w + p * 64);
         const __m512i lo = _mm512_and_si512(v, nibble);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        const int c = (2 * p) % kChains;
+        const int c_lo = (2 * p) % kChains, c_hi = (2 * p + 1) % kChains;
         for (int r = 0; r < MR; ++r) {
           const int8_t* xr = x.q + (r0 + r) * k + k0;
-          isum[r][c] = dot_u8s8<true>(isum[r][c], lo, broadcast4(xr + 4 * p));
-          isum[r][c + 1] = dot_u8s8<true>(isum[r][c + 1], hi, broadcast4(xr + 4 * p + 16));
+          isum[r][c_lo] = dot_u8s8<true>(isum[r][c_lo], lo, broadcast4(xr + 4 * p));
+          isum[r][c_hi] = dot_u8s8<true>(isum[r][c_hi], hi, broadcast4(xr + 4 * p + 16));
         }
       }
     } else {
@@ -341,7 +348,8 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
     __m512 mn = _mm512_setzero_ps();
     if (mins != nullptr) mn = load16(mins + g * kTile);
     for (int r = 0; r < MR; ++r) {
-      __m512i exact = _mm512_add_epi32(isum[r][0], isum[r][1]);
+      __m512i exact = isum[r][0];
+      if constexpr (kChains >= 2) exact = _mm512_add_epi32(exact, isum[r][1]);
       if constexpr (kChains == 4)
         exact = _mm512_add_epi32(exact, _mm512_add_epi32(isum[r][2], isum[r][3]));
       if constexpr (F == Format::kI8)
