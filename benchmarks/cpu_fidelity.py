@@ -26,6 +26,8 @@ from pagedllm_integrations.engine.config import EngineConfig
 from pagedllm_integrations.engine.llm_engine import LLMEngine
 from pagedllm_integrations.engine.sampling_params import SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -37,8 +39,6 @@ PROMPTS = [
     "about distant stars, strange machines and the people who built them. One day",
     "Translate to French: I like apples.",
 ]
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @torch.inference_mode()
