@@ -108,8 +108,9 @@ def test_packed_linears_give_the_same_bits_on_every_instruction_set(flags, tmp_p
 # library is built again without AVX-512, i.e. its AVX2 kernels, and every output must equal
 # this process's bit for bit. An AVX2 CPU runs that build itself; there the attention's bits
 # are checked against its recipe written out in numpy (tests/test_cpu_kernels.py). A CPU
-# with AVX512-BF16 (vdpbf16ps in the dense bf16 linears) is also compared with its build
-# without it (the FMA emulation of AVX-512 CPUs such as Skylake-SP and Cascade Lake).
+# with AVX512-BF16 (vdpbf16ps in the dense bf16 linears and in attention over a bf16 cache)
+# is also compared with its build without it (the FMA emulation of AVX-512 CPUs such as
+# Skylake-SP and Cascade Lake).
 CHILD_ALL = textwrap.dedent(
     """
     import sys, torch

@@ -16,11 +16,14 @@
 //
 // One recipe per query row, whatever else is computed beside it: keys are taken in chunks
 // of kChunk positions aligned to absolute positions (0..63, 64..127, ...); per chunk the
-// scores (q . k, summed over d in order), the chunk's max, the rescaling of the running
-// sum and output (online softmax), then the values in position order. A row's output is
-// therefore bitwise the same whether it is decoded alone, verified beside speculative
-// tokens, or computed inside a prompt chunk of any size, and whether its prefix came from
-// the prefix cache or was just computed.
+// scores (q . k, summed over d), the chunk's max, the rescaling of the running sum and
+// output (online softmax), then the values by position. Over a bf16 cache q and the
+// probabilities are rounded to bf16 and both sums take their terms in pairs, odd term
+// first, as vdpbf16ps does (the paired recipe, at round_to_bf16 below); over a float32
+// cache they stay float32 and the terms come in order. A row's output is therefore bitwise
+// the same whether it is decoded alone, verified beside speculative tokens, or computed
+// inside a prompt chunk of any size, and whether its prefix came from the prefix cache or
+// was just computed.
 //
 // Work items are (sequence, KV head, block of up to kQueryBlock query rows). An item of a
 // few rows (decode, speculative verification) reads each chunk's keys and values in place
@@ -34,7 +37,9 @@
 // The vector kernels exist for AVX-512 and for AVX2 (8-lane vectors, 16 registers): the
 // AVX2 code runs, lane for lane, the AVX-512 code's float32 operations in its order (a
 // 16-lane vector is a pair of 8-lane halves, summed as reduce16 sums), so a row gets the
-// same bits on either; only how many vectors are in registers at once differs.
+// same bits on either; only how many vectors are in registers at once differs. On
+// AVX512-BF16 CPUs, rows that read a bf16 cache in place add each pair of terms with one
+// vdpbf16ps (attend_chunk_in_place_bf16), the same bits as the FMAs elsewhere.
 
 #include "kernels.h"
 
@@ -68,6 +73,61 @@ inline float exp_scalar(float x) { return _mm256_cvtss_f32(exp256(_mm256_set1_ps
 inline float exp_scalar(float x) { return x == kNegInf ? 0.f : std::exp(x); }
 #endif
 
+// The paired recipe of bf16 caches: each query vector (scaled) and each chunk's
+// probabilities are rounded to bf16 (to nearest, ties to even; held in float32), and a
+// score or an output adds its products in pairs, the odd term of a pair first: the
+// dimensions (1, 0), (3, 2), .. of q . k, the positions (2j + 1, 2j) of the values. That
+// is what vdpbf16ps computes, one rounding per product added (products of two bf16 values
+// are exact in float32), so AVX512-BF16 CPUs run it with vdpbf16ps on the cache as it
+// lies, and every other build runs the same additions as FMAs: the same bits (up to
+// denormal terms, which the instruction flushes: attention's scores and outputs never
+// come near 2^-126). Float32 caches keep the plain recipe (float32 q, p; terms in order).
+inline float round_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// Dimension i of a sum's order: in order, or paired (1, 0, 3, 2, ..; head_dim is even).
+template <bool kPaired>
+constexpr int64_t term(int64_t i) {
+  return kPaired ? i ^ 1 : i;
+}
+
+// fn(key) for the keys lo .. hi - 1 in the order an output adds them: in order, or paired
+// (each pair of positions 2j, 2j + 1 from its odd one; a pair's invisible member skipped,
+// which is what adding its zero probability times a zeroed value does).
+template <bool kPaired, typename Fn>
+inline void for_each_key(int64_t lo, int64_t hi, const Fn& fn) {
+  if constexpr (!kPaired) {
+    for (int64_t key = lo; key < hi; ++key) fn(key);
+  } else {
+    for (int64_t even = lo & ~int64_t{1}; even < hi; even += 2) {
+      if (even + 1 < hi) fn(even + 1);
+      if (even >= lo) fn(even);
+    }
+  }
+}
+
+#ifdef PAGEDLLM_AVX512
+inline __m512 round_to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+#ifdef PAGEDLLM_AVX2
+inline __m256 round_to_bf16(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+
 struct Geometry {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
   int64_t head_stride, block_stride;  // cache strides in elements (both caches)
@@ -88,6 +148,7 @@ struct Scratch {
   std::vector<float> acc;     // [rows * G][D]
   std::vector<float> maxs, sums;
   std::vector<float> probs;   // [kChunk]
+  std::vector<uint32_t> q_pairs;  // [rows * G][D / 2]: q's bf16 pairs (vdpbf16ps kernels)
 };
 
 inline void widen(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
@@ -130,6 +191,7 @@ void load_chunk(const CacheT* k_cache, const CacheT* v_cache, const int32_t* tab
 
 // One query vector (already scaled) against the loaded chunk: the online-softmax update of
 // its running max, sum and output. Keys visible to it: lanes [lo, hi) of the chunk.
+template <bool kPaired>
 inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo, int64_t hi,
                          double soft_cap, float& running_max, float& running_sum, float* acc,
                          float* probs) {
@@ -137,7 +199,8 @@ inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo
   if (d % 16 == 0) {
     __m512 scores[kChunk / 16];
     for (int t = 0; t < kChunk / 16; ++t) scores[t] = _mm512_setzero_ps();
-    for (int64_t x = 0; x < d; ++x) {
+    for (int64_t i = 0; i < d; ++i) {
+      const int64_t x = term<kPaired>(i);
       const __m512 qx = _mm512_set1_ps(q[x]);
       for (int t = 0; t < kChunk / 16; ++t)
         scores[t] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t),
@@ -163,7 +226,8 @@ inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo
     const float correction = running_max == kNegInf ? 0.f : exp_scalar(running_max - new_max);
     __m512 total = _mm512_setzero_ps();
     for (int t = 0; t < kChunk / 16; ++t) {
-      const __m512 p = exp512(_mm512_sub_ps(scores[t], _mm512_set1_ps(new_max)));
+      __m512 p = exp512(_mm512_sub_ps(scores[t], _mm512_set1_ps(new_max)));
+      if constexpr (kPaired) p = round_to_bf16(p);
       _mm512_storeu_ps(probs + 16 * t, p);
       total = _mm512_add_ps(total, p);
     }
@@ -172,13 +236,13 @@ inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo
     const __m512 corr = _mm512_set1_ps(correction);
     for (int64_t x = 0; x < d; x += 16)
       _mm512_storeu_ps(acc + x, _mm512_mul_ps(_mm512_loadu_ps(acc + x), corr));
-    for (int64_t key = lo; key < hi; ++key) {
+    for_each_key<kPaired>(lo, hi, [&](int64_t key) {
       const __m512 p = _mm512_set1_ps(probs[key]);
       const float* v = s.values.data() + key * d;
       for (int64_t x = 0; x < d; x += 16)
         _mm512_storeu_ps(acc + x,
                          _mm512_fmadd_ps(p, _mm512_loadu_ps(v + x), _mm512_loadu_ps(acc + x)));
-    }
+    });
     return;
   }
 #endif
@@ -186,7 +250,10 @@ inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo
   float new_max = running_max;
   for (int64_t key = 0; key < kChunk; ++key) {
     float dot = 0.f;
-    for (int64_t x = 0; x < d; ++x) dot = std::fma(q[x], s.keys_t[x * kChunk + key], dot);
+    for (int64_t i = 0; i < d; ++i) {
+      const int64_t x = term<kPaired>(i);
+      dot = std::fma(q[x], s.keys_t[x * kChunk + key], dot);
+    }
     if (soft_cap > 0) dot = static_cast<float>(soft_cap * std::tanh(dot / soft_cap));
     scores[key] = (key >= lo && key < hi) ? dot : kNegInf;
     new_max = std::max(new_max, scores[key]);
@@ -195,13 +262,15 @@ inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo
   float total = 0.f;
   for (int64_t key = 0; key < kChunk; ++key) {
     probs[key] = exp_scalar(scores[key] - new_max);
+    if constexpr (kPaired) probs[key] = round_to_bf16(probs[key]);
     total += probs[key];
   }
   running_sum = running_sum * correction + total;
   running_max = new_max;
   for (int64_t x = 0; x < d; ++x) acc[x] *= correction;
-  for (int64_t key = lo; key < hi; ++key)
+  for_each_key<kPaired>(lo, hi, [&](int64_t key) {
     for (int64_t x = 0; x < d; ++x) acc[x] = std::fma(probs[key], s.values[key * d + x], acc[x]);
+  });
 }
 
 #ifdef PAGEDLLM_AVX512
@@ -215,7 +284,7 @@ inline __m512 load16_float(const bf16* p) {
 // The online-softmax step of NV query vectors after their scores of one chunk: soft cap,
 // mask to the visible lanes [lo, hi), new max, probabilities (into probs [NV][kChunk]),
 // running sums; corr[v] is the factor their outputs are rescaled by.
-template <int NV>
+template <int NV, bool kPaired>
 inline void softmax_chunk(__m512 (&scores)[NV][kChunk / 16], int64_t lo, int64_t hi,
                           double soft_cap, float* running_max, float* running_sum,
                           float* probs, __m512 (&corr)[NV]) {
@@ -241,7 +310,8 @@ inline void softmax_chunk(__m512 (&scores)[NV][kChunk / 16], int64_t lo, int64_t
         running_max[v] == kNegInf ? 0.f : exp_scalar(running_max[v] - new_max);
     __m512 total = _mm512_setzero_ps();
     for (int t = 0; t < kT; ++t) {
-      const __m512 p = exp512(_mm512_sub_ps(scores[v][t], _mm512_set1_ps(new_max)));
+      __m512 p = exp512(_mm512_sub_ps(scores[v][t], _mm512_set1_ps(new_max)));
+      if constexpr (kPaired) p = round_to_bf16(p);
       _mm512_storeu_ps(probs + v * kChunk + 16 * t, p);
       total = _mm512_add_ps(total, p);
     }
@@ -255,7 +325,7 @@ inline void softmax_chunk(__m512 (&scores)[NV][kChunk / 16], int64_t lo, int64_t
 // in order, for NV vectors of d floats. value(key) points at the key's d values (float32
 // scratch or the cache itself). The accumulators of a slice of 64 dimensions (W = 4
 // vectors; W = 1 for the rest) stay in registers over all the keys.
-template <int NV, int W, typename CacheT, typename ValueAt>
+template <int NV, int W, bool kPaired, typename CacheT, typename ValueAt>
 inline void accumulate_slice(float* acc, int64_t d, int64_t x0, const float* probs,
                              const __m512 (&corr)[NV], int64_t lo, int64_t hi,
                              const ValueAt& value) {
@@ -263,7 +333,7 @@ inline void accumulate_slice(float* acc, int64_t d, int64_t x0, const float* pro
   for (int v = 0; v < NV; ++v)
     for (int w = 0; w < W; ++w)
       a[v][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + v * d + x0 + 16 * w), corr[v]);
-  for (int64_t key = lo; key < hi; ++key) {
+  for_each_key<kPaired>(lo, hi, [&](int64_t key) {
     const CacheT* val = value(key) + x0;
     __m512 vx[W];
     for (int w = 0; w < W; ++w) vx[w] = load16_float(val + 16 * w);
@@ -271,18 +341,20 @@ inline void accumulate_slice(float* acc, int64_t d, int64_t x0, const float* pro
       const __m512 p = _mm512_set1_ps(probs[v * kChunk + key]);
       for (int w = 0; w < W; ++w) a[v][w] = _mm512_fmadd_ps(p, vx[w], a[v][w]);
     }
-  }
+  });
   for (int v = 0; v < NV; ++v)
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + v * d + x0 + 16 * w, a[v][w]);
 }
 
-template <int NV, typename CacheT, typename ValueAt>
+template <int NV, bool kPaired, typename CacheT, typename ValueAt>
 inline void accumulate_values(float* acc, int64_t d, const float* probs,
                               const __m512 (&corr)[NV], int64_t lo, int64_t hi,
                               const ValueAt& value) {
   int64_t x0 = 0;
-  for (; x0 + 64 <= d; x0 += 64) accumulate_slice<NV, 4, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
-  for (; x0 < d; x0 += 16) accumulate_slice<NV, 1, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+  for (; x0 + 64 <= d; x0 += 64)
+    accumulate_slice<NV, 4, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+  for (; x0 < d; x0 += 16)
+    accumulate_slice<NV, 1, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
 }
 
 // NV query vectors (each d floats, one after another in q, already scaled) with the same
@@ -290,7 +362,7 @@ inline void accumulate_values(float* acc, int64_t d, const float* probs,
 // operations of attend_chunk, in its order (so the same bits), with the loads of keys and
 // values shared. running_max, running_sum: [NV]; acc: [NV][d]; probs: [NV][kChunk]
 // scratch. d % 16 == 0.
-template <int NV>
+template <int NV, bool kPaired>
 inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
                                int64_t hi, double soft_cap, float* running_max,
                                float* running_sum, float* acc, float* probs) {
@@ -298,7 +370,8 @@ inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int6
   __m512 sums[NV][kT];  // never escapes (see attend_chunk_in_place): stays in registers
   for (int v = 0; v < NV; ++v)
     for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_setzero_ps();
-  for (int64_t x = 0; x < d; ++x) {
+  for (int64_t i = 0; i < d; ++i) {
+    const int64_t x = term<kPaired>(i);
     __m512 keys[kT];
     for (int t = 0; t < kT; ++t) keys[t] = _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t);
     for (int v = 0; v < NV; ++v) {
@@ -310,10 +383,10 @@ inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int6
   for (int v = 0; v < NV; ++v)
     for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
   __m512 corr[NV];
-  softmax_chunk<NV>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  softmax_chunk<NV, kPaired>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
   const float* values = s.values.data();
-  accumulate_values<NV, float>(acc, d, probs, corr, lo, hi,
-                               [&](int64_t key) { return values + key * d; });
+  accumulate_values<NV, kPaired, float>(acc, d, probs, corr, lo, hi,
+                                        [&](int64_t key) { return values + key * d; });
 }
 
 // The same for a chunk read in place from the cache, with no scratch: for rows that see a
@@ -346,7 +419,9 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
   const CacheT* keys[kT];  // group t's keys, [D][bs] with its 16 lanes here; null: unseen
   for (int t = 0; t < kT; ++t)
     keys[t] = (16 * t + 16 <= lo || 16 * t >= hi) ? nullptr : k_cache + position_at(start + 16 * t);
-  for (int64_t x = 0; x < d; ++x) {
+  constexpr bool kPaired = std::is_same_v<CacheT, bf16>;
+  for (int64_t i = 0; i < d; ++i) {
+    const int64_t x = term<kPaired>(i);
     __m512 qx[NV];
     for (int v = 0; v < NV; ++v) qx[v] = _mm512_set1_ps(q[v * d + x]);
     for (int t = 0; t < kT; ++t) {
@@ -359,13 +434,170 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
   for (int v = 0; v < NV; ++v)
     for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
   __m512 corr[NV];
-  softmax_chunk<NV>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
-  accumulate_values<NV, CacheT>(acc, d, probs, corr, lo, hi, [&](int64_t key) {
+  softmax_chunk<NV, kPaired>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  accumulate_values<NV, kPaired, CacheT>(acc, d, probs, corr, lo, hi, [&](int64_t key) {
     const int64_t pos = start + key;
     return v_cache + static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
            kv_head * geo.head_stride + (pos % bs) * d;
   });
 }
+
+#ifdef PAGEDLLM_AVX512BF16
+// ------------------------------------------------------------- vdpbf16ps (AVX512-BF16)
+// attend_chunk_in_place over a bf16 cache, each pair of the paired recipe's terms added
+// by one vdpbf16ps (the other builds run these additions as two FMAs; the same bits).
+//   Scores: rows 2i and 2i + 1 of a 16-position group's keys ([D][bs]: 16 bf16 each) are
+//   interleaved by one vpermw into 16 lanes of (dimension 2i, 2i + 1) pairs, multiplied by
+//   q's pair i broadcast. 16 lanes are 16 positions, as in the FMA kernels.
+//   Outputs: the values of positions 2j and 2j + 1 ([bs][D] rows) are interleaved by
+//   vpunpck{l,h}wd into lanes of (2j, 2j + 1) pairs per dimension, times the broadcast
+//   pair of probabilities. vpunpck works inside 128-bit lanes, so while an output slice is
+//   in registers its dimensions are in that order (kDimsLow / kDimsHigh below), permuted
+//   from and back to memory order once per chunk.
+// Needs head_dim % 32 == 0 (whole 512-bit rows of 32 values); else the FMA kernel runs.
+
+// q (rounded to bf16, in float32) -> pairs[i] = bf16 bits of q[2i] | those of q[2i + 1] << 16.
+inline void bf16_pairs(const float* x, int64_t n, uint32_t* pairs) {
+  for (int64_t i = 0; i < n / 2; ++i) {
+    uint32_t even, odd;
+    std::memcpy(&even, x + 2 * i, 4);
+    std::memcpy(&odd, x + 2 * i + 1, 4);
+    pairs[i] = (even >> 16) | (odd & 0xFFFF0000u);
+  }
+}
+
+// vpermw index: 16-bit element 2p <- element p (row 2i, position p), 2p + 1 <- element
+// 16 + p (row 2i + 1, position p).
+inline __m512i interleave_rows_index() {
+  alignas(64) int16_t index[32];
+  for (int p = 0; p < 16; ++p) {
+    index[2 * p] = static_cast<int16_t>(p);
+    index[2 * p + 1] = static_cast<int16_t>(16 + p);
+  }
+  return _mm512_load_si512(index);
+}
+
+// 32 rounded probabilities (float32) -> their 16 bf16 pairs: the high halves, elements
+// 1, 3, .., 63 of the two vectors.
+inline __m512i probability_pairs(const float* p) {
+  alignas(64) static const int16_t kHighHalves[32] = {
+      1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+      33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  return _mm512_permutex2var_epi16(_mm512_loadu_si512(p),
+                                   _mm512_load_si512(kHighHalves),
+                                   _mm512_loadu_si512(p + 16));
+}
+
+// Dimensions (of 32) in the lanes of vpunpcklwd's and vpunpckhwd's pairs, and back.
+alignas(64) constexpr int32_t kDimsLow[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+alignas(64) constexpr int32_t kDimsHigh[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+alignas(64) constexpr int32_t kFirstSixteen[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+alignas(64) constexpr int32_t kLastSixteen[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+
+inline __m512i load_index(const int32_t* index) { return _mm512_load_si512(index); }
+
+// acc[v] = acc[v] * corr[v], then the probabilities (pairs[v][j]: positions 2j, 2j + 1)
+// times the values of positions lo .. hi - 1, for dimensions x0 .. x0 + 32H of NV vectors.
+template <int NV, int H>
+inline void accumulate_slice_bf16(float* acc, int64_t d, int64_t x0,
+                                  const uint32_t (&pairs)[NV][kChunk / 2],
+                                  const __m512 (&corr)[NV], int64_t lo, int64_t hi,
+                                  const bf16* const (&values)[kChunk / 16]) {
+  __m512 a[NV][2 * H];  // [v][2h]: dims kDimsLow of the h-th 32; [v][2h + 1]: kDimsHigh
+  for (int v = 0; v < NV; ++v)
+    for (int h = 0; h < H; ++h) {
+      const float* out = acc + v * d + x0 + 32 * h;
+      const __m512 first = _mm512_mul_ps(_mm512_loadu_ps(out), corr[v]);
+      const __m512 last = _mm512_mul_ps(_mm512_loadu_ps(out + 16), corr[v]);
+      a[v][2 * h] = _mm512_permutex2var_ps(first, load_index(kDimsLow), last);
+      a[v][2 * h + 1] = _mm512_permutex2var_ps(first, load_index(kDimsHigh), last);
+    }
+  for (int64_t even = lo & ~int64_t{1}; even < hi; even += 2) {
+    const bf16* row = values[even / 16] + (even % 16) * d + x0;  // position even; then + d
+    // A pair's invisible member has probability 0; its value is zeroed too (whatever the
+    // cache holds there), so that it adds exactly nothing.
+    const __mmask32 keep_even = even >= lo ? ~__mmask32{0} : 0;
+    const __mmask32 keep_odd = even + 1 < hi ? ~__mmask32{0} : 0;
+    __m512i low[H], high[H];
+    for (int h = 0; h < H; ++h) {
+      const __m512i r0 = _mm512_maskz_loadu_epi16(keep_even, row + 32 * h);
+      const __m512i r1 = _mm512_maskz_loadu_epi16(keep_odd, row + d + 32 * h);
+      low[h] = _mm512_unpacklo_epi16(r0, r1);
+      high[h] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[v][even / 2]));
+      for (int h = 0; h < H; ++h) {
+        a[v][2 * h] = _mm512_dpbf16_ps(a[v][2 * h], (__m512bh)low[h], p);
+        a[v][2 * h + 1] = _mm512_dpbf16_ps(a[v][2 * h + 1], (__m512bh)high[h], p);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int h = 0; h < H; ++h) {
+      float* out = acc + v * d + x0 + 32 * h;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(a[v][2 * h], load_index(kFirstSixteen),
+                                                   a[v][2 * h + 1]));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(a[v][2 * h], load_index(kLastSixteen),
+                                                        a[v][2 * h + 1]));
+    }
+}
+
+template <int NV>
+inline void attend_chunk_in_place_bf16(const uint32_t* q_pairs, const bf16* k_cache,
+                                       const bf16* v_cache, const int32_t* table,
+                                       const Geometry& geo, int64_t kv_head, int64_t start,
+                                       int64_t lo, int64_t hi, double soft_cap,
+                                       float* running_max, float* running_sum, float* acc,
+                                       float* probs) {
+  constexpr int kT = kChunk / 16;
+  const int64_t d = geo.head_dim, bs = geo.block_size, half = d / 2;
+  const bf16* keys[kT];    // group t's keys, [D][bs] with its 16 lanes here; null: unseen
+  const bf16* values[kT];  // group t's values, [16][D]
+  for (int t = 0; t < kT; ++t) {
+    keys[t] = values[t] = nullptr;
+    if (16 * t + 16 <= lo || 16 * t >= hi) continue;
+    const int64_t pos = start + 16 * t;
+    const int64_t base = static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
+                         kv_head * geo.head_stride;
+    keys[t] = k_cache + base + pos % bs;
+    values[t] = v_cache + base + (pos % bs) * d;
+  }
+  const __m512i interleave = interleave_rows_index();
+  __m512 sums[NV][kT];  // never escapes (see attend_chunk_in_place): stays in registers
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < half; ++i) {
+    __m512bh qi[NV];
+    for (int v = 0; v < NV; ++v)
+      qi[v] = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[v * half + i]));
+    for (int t = 0; t < kT; ++t) {
+      if (keys[t] == nullptr) continue;
+      const bf16* rows = keys[t] + 2 * i * bs;  // dimension 2i; 2i + 1 is bs further
+      const __m512i both =
+          bs == 16 ? _mm512_loadu_si512(rows)  // the two rows are adjacent
+                   : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(
+                                            reinterpret_cast<const __m256i*>(rows))),
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + bs)), 1);
+      const __m512bh key = (__m512bh)_mm512_permutexvar_epi16(interleave, both);
+      for (int v = 0; v < NV; ++v) sums[v][t] = _mm512_dpbf16_ps(sums[v][t], key, qi[v]);
+    }
+  }
+  __m512 scores[NV][kT];
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
+  __m512 corr[NV];
+  softmax_chunk<NV, true>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  uint32_t pairs[NV][kChunk / 2];
+  for (int v = 0; v < NV; ++v)
+    for (int h = 0; h < 2; ++h)
+      _mm512_storeu_si512(pairs[v] + 16 * h, probability_pairs(probs + v * kChunk + 32 * h));
+  int64_t x0 = 0;
+  for (; x0 + 64 <= d; x0 += 64)
+    accumulate_slice_bf16<NV, 2>(acc, d, x0, pairs, corr, lo, hi, values);
+  for (; x0 < d; x0 += 32) accumulate_slice_bf16<NV, 1>(acc, d, x0, pairs, corr, lo, hi, values);
+}
+#endif  // PAGEDLLM_AVX512BF16
 #elif defined(PAGEDLLM_AVX2)
 // ------------------------------------------------------------------------------- AVX2
 // The kernels above on 8-lane vectors. The AVX-512 code's 16-lane vector t of a chunk is
@@ -459,7 +691,7 @@ constexpr Lanes kLanes = std::is_same_v<CacheT, bf16> ? Lanes::kEvenOdd : Lanes:
 // The scores of NV query vectors (q: [NV][d], already scaled) against P groups of 16 keys,
 // stored in order at scores[v * kChunk + 16 * p]. keys[p] holds dimension x of its 16
 // positions at keys[p] + x * stride.
-template <int NV, int P, typename CacheT>
+template <int NV, int P, bool kPaired, typename CacheT>
 __attribute__((noinline)) void score_tile(const float* q, int64_t d,
                                           const CacheT* const (&keys)[P], int64_t stride,
                                           float* scores) {
@@ -467,7 +699,8 @@ __attribute__((noinline)) void score_tile(const float* q, int64_t d,
   __m256 sums[NV][2 * P];  // never escapes (see attend_chunk_in_place): stays in registers
   for (int v = 0; v < NV; ++v)
     for (int u = 0; u < 2 * P; ++u) sums[v][u] = _mm256_setzero_ps();
-  for (int64_t x = 0; x < d; ++x) {
+  for (int64_t i = 0; i < d; ++i) {
+    const int64_t x = term<kPaired>(i);
     __m256 qx[NV];
     for (int v = 0; v < NV; ++v) qx[v] = _mm256_set1_ps(q[v * d + x]);
     for (int u = 0; u < 2 * P; ++u) {
@@ -489,7 +722,7 @@ __attribute__((noinline)) void score_tile(const float* q, int64_t d,
 // others to -inf, whatever they hold, as the AVX-512 kernels do): tiles with none are not
 // computed, and a group with none in a tile that has some reads a visible group's keys
 // (its own table entry may lie past the sequence's blocks), so the loop has no branch.
-template <int NV, typename CacheT, typename KeyAt>
+template <int NV, bool kPaired, typename CacheT, typename KeyAt>
 inline void chunk_scores(const float* q, int64_t d, int64_t stride, int64_t lo, int64_t hi,
                          const KeyAt& key_at, float* scores) {
   constexpr int P = kKeyTile<NV> / 2;
@@ -497,14 +730,14 @@ inline void chunk_scores(const float* q, int64_t d, int64_t stride, int64_t lo, 
   for (int g0 = first / P * P; g0 <= last; g0 += P) {
     const CacheT* keys[P];
     for (int p = 0; p < P; ++p) keys[p] = key_at(std::min(std::max(g0 + p, first), last));
-    score_tile<NV, P, CacheT>(q, d, keys, stride, scores + 16 * g0);
+    score_tile<NV, P, kPaired, CacheT>(q, d, keys, stride, scores + 16 * g0);
   }
 }
 
 // softmax_chunk for NV vectors whose scores lie in probs [NV][kChunk], replaced there by
 // their probabilities. The max is exact, whatever the order its lanes are compared in;
 // the total is the AVX-512 code's 16-lane sum: vector i of the chunk adds into half i % 2.
-template <int NV>
+template <int NV, bool kPaired>
 inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
                           float* running_max, float* running_sum, __m256 (&corr)[NV]) {
   const __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -535,7 +768,8 @@ inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
         running_max[v] == kNegInf ? 0.f : exp_scalar(running_max[v] - new_max);
     __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0..7, 8..15
     for (int i = 0; i < kVectors8; ++i) {
-      const __m256 p = exp256(_mm256_sub_ps(scores[i], _mm256_set1_ps(new_max)));
+      __m256 p = exp256(_mm256_sub_ps(scores[i], _mm256_set1_ps(new_max)));
+      if constexpr (kPaired) p = round_to_bf16(p);
       _mm256_storeu_ps(p_v + 8 * i, p);
       total[i % 2] = _mm256_add_ps(total[i % 2], p);
     }
@@ -549,7 +783,7 @@ inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
 // stays in registers over all the keys lo..hi, each lane updated as there (in the values'
 // lane order while in registers). The values of the keys of one group of 16 (16g .. 16g +
 // 15) lie d apart, so value() is asked once per group, not once per key.
-template <int NV, int W, typename CacheT, typename ValueAt>
+template <int NV, int W, bool kPaired, typename CacheT, typename ValueAt>
 __attribute__((noinline)) void accumulate_slice(float* acc, int64_t d, int64_t x0,
                                                 const float* probs, const __m256 (&corr)[NV],
                                                 int64_t lo, int64_t hi, const ValueAt& value) {
@@ -563,16 +797,19 @@ __attribute__((noinline)) void accumulate_slice(float* acc, int64_t d, int64_t x
       a[v][w + 1] = _mm256_mul_ps(_mm256_loadu_ps(out + 8), corr[v]);
       to_lane_order<L>(a[v][w], a[v][w + 1]);
     }
-  for (int64_t key = lo; key < hi;) {
-    const int64_t group_end = std::min(hi, (key / 16 + 1) * 16);
-    for (const CacheT* val = value(key) + x0; key < group_end; ++key, val += d) {
+  for (int64_t first = lo; first < hi;) {
+    const int64_t group_end = std::min(hi, (first / 16 + 1) * 16);
+    const CacheT* at_first = value(first) + x0;  // key k's values: at_first + (k - first) d
+    for_each_key<kPaired>(first, group_end, [&](int64_t key) {
+      const CacheT* val = at_first + (key - first) * d;
       __m256 vx[W];
       for (int w = 0; w < W; w += 2) load16<L>(val + 8 * w, vx[w], vx[w + 1]);
       for (int v = 0; v < NV; ++v) {
         const __m256 p = _mm256_set1_ps(probs[v * kChunk + key]);
         for (int w = 0; w < W; ++w) a[v][w] = _mm256_fmadd_ps(p, vx[w], a[v][w]);
       }
-    }
+    });
+    first = group_end;
   }
   for (int v = 0; v < NV; ++v)
     for (int w = 0; w < W; w += 2) {
@@ -582,31 +819,32 @@ __attribute__((noinline)) void accumulate_slice(float* acc, int64_t d, int64_t x
     }
 }
 
-template <int NV, typename CacheT, typename ValueAt>
+template <int NV, bool kPaired, typename CacheT, typename ValueAt>
 inline void accumulate_values(float* acc, int64_t d, const float* probs,
                               const __m256 (&corr)[NV], int64_t lo, int64_t hi,
                               const ValueAt& value) {
   constexpr int W = kSlice<NV>;
   int64_t x0 = 0;
   for (; x0 + 8 * W <= d; x0 += 8 * W)
-    accumulate_slice<NV, W, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+    accumulate_slice<NV, W, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
   for (; x0 < d; x0 += 16)  // d % 16 == 0
-    accumulate_slice<NV, 2, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+    accumulate_slice<NV, 2, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
 }
 
 // attend_chunk_group on 8-lane vectors: NV query vectors against the chunk in scratch.
 // probs: [NV][kChunk], the scores and then the probabilities.
-template <int NV>
+template <int NV, bool kPaired>
 inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
                                int64_t hi, double soft_cap, float* running_max,
                                float* running_sum, float* acc, float* probs) {
   const float* keys_t = s.keys_t.data();
-  chunk_scores<NV, float>(q, d, kChunk, lo, hi, [&](int g) { return keys_t + 16 * g; }, probs);
+  chunk_scores<NV, kPaired, float>(q, d, kChunk, lo, hi,
+                                   [&](int g) { return keys_t + 16 * g; }, probs);
   __m256 corr[NV];
-  softmax_chunk<NV>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
+  softmax_chunk<NV, kPaired>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
   const float* values = s.values.data();
-  accumulate_values<NV, float>(acc, d, probs, corr, lo, hi,
-                               [&](int64_t key) { return values + key * d; });
+  accumulate_values<NV, kPaired, float>(acc, d, probs, corr, lo, hi,
+                                        [&](int64_t key) { return values + key * d; });
 }
 
 // attend_chunk_in_place on 8-lane vectors: keys and values read in place from the cache.
@@ -633,17 +871,19 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
     keys[g] = k_cache + block + pos % bs;
     values[g] = v_cache + block + (pos % bs) * d;
   }
-  chunk_scores<NV, CacheT>(
+  constexpr bool kPaired = std::is_same_v<CacheT, bf16>;
+  chunk_scores<NV, kPaired, CacheT>(
       q, d, bs, lo, hi, [&](int g) { return keys[g]; }, probs);
   __m256 corr[NV];
-  softmax_chunk<NV>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
-  accumulate_values<NV, CacheT>(acc, d, probs, corr, lo, hi,
-                                [&](int64_t key) { return values[key / 16] + (key % 16) * d; });
+  softmax_chunk<NV, kPaired>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
+  accumulate_values<NV, kPaired, CacheT>(
+      acc, d, probs, corr, lo, hi, [&](int64_t key) { return values[key / 16] + (key % 16) * d; });
 }
 #endif
 
 // The `count` query vectors of one row (its G heads: vectors first .. first + count of the
 // item) against the loaded chunk, all with visible lanes [lo, hi).
+template <bool kPaired>
 inline void attend_row_chunk(Scratch& s, int64_t first, int64_t count, int64_t d, int64_t lo,
                              int64_t hi, double soft_cap) {
 #ifdef PAGEDLLM_VECTOR_ATTENTION
@@ -654,18 +894,18 @@ inline void attend_row_chunk(Scratch& s, int64_t first, int64_t count, int64_t d
       float* maxs = s.maxs.data() + v;
       float* sums = s.sums.data() + v;
       switch (std::min<int64_t>(kGroup, first + count - v)) {
-        case 4: attend_chunk_group<4>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
-        case 3: attend_chunk_group<3>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
-        case 2: attend_chunk_group<2>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
-        default: attend_chunk_group<1>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
+        case 4: attend_chunk_group<4, kPaired>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
+        case 3: attend_chunk_group<3, kPaired>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
+        case 2: attend_chunk_group<2, kPaired>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
+        default: attend_chunk_group<1, kPaired>(q, s, d, lo, hi, soft_cap, maxs, sums, acc, s.probs.data()); break;
       }
     }
     return;
   }
 #endif
   for (int64_t v = first; v < first + count; ++v)
-    attend_chunk(s.q.data() + v * d, s, d, lo, hi, soft_cap, s.maxs[v], s.sums[v],
-                 s.acc.data() + v * d, s.probs.data());
+    attend_chunk<kPaired>(s.q.data() + v * d, s, d, lo, hi, soft_cap, s.maxs[v], s.sums[v],
+                          s.acc.data() + v * d, s.probs.data());
 }
 
 #ifdef PAGEDLLM_VECTOR_ATTENTION
@@ -676,12 +916,35 @@ inline void attend_row_in_place(Scratch& s, int64_t first, int64_t count, const 
                                 int64_t kv_head, int64_t start, int64_t lo, int64_t hi,
                                 double soft_cap) {
   const int64_t d = geo.head_dim;
+#ifdef PAGEDLLM_AVX512BF16
+  const bool dot_bf16 = std::is_same_v<CacheT, bf16> && d % 32 == 0;
+#endif
   for (int64_t v = first; v < first + count; v += kInPlaceGroup) {
     const float* q = s.q.data() + v * d;
     float* acc = s.acc.data() + v * d;
     float* maxs = s.maxs.data() + v;
     float* sums = s.sums.data() + v;
     float* probs = s.probs.data();
+#ifdef PAGEDLLM_AVX512BF16
+    if constexpr (std::is_same_v<CacheT, bf16>) {
+      if (dot_bf16) {
+        const uint32_t* q_pairs = s.q_pairs.data() + v * (d / 2);
+#define PAGEDLLM_IN_PLACE_BF16(NV)                                                          \
+  attend_chunk_in_place_bf16<NV>(q_pairs, k_cache, v_cache, table, geo, kv_head, start, lo, \
+                                 hi, soft_cap, maxs, sums, acc, probs)
+        switch (std::min<int64_t>(kInPlaceGroup, first + count - v)) {
+          case 6: PAGEDLLM_IN_PLACE_BF16(6); break;
+          case 5: PAGEDLLM_IN_PLACE_BF16(5); break;
+          case 4: PAGEDLLM_IN_PLACE_BF16(4); break;
+          case 3: PAGEDLLM_IN_PLACE_BF16(3); break;
+          case 2: PAGEDLLM_IN_PLACE_BF16(2); break;
+          default: PAGEDLLM_IN_PLACE_BF16(1); break;
+        }
+#undef PAGEDLLM_IN_PLACE_BF16
+        continue;
+      }
+    }
+#endif
 #define PAGEDLLM_IN_PLACE(NV)                                                                  \
   attend_chunk_in_place<NV>(q, k_cache, v_cache, table, geo, kv_head, start, lo, hi, soft_cap, \
                             maxs, sums, acc, probs)
@@ -728,6 +991,7 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
                  Scratch& s) {
   const int64_t d = geo.head_dim, g_count = geo.group, b = item.seq;
   const int64_t query_len = cu[b + 1] - cu[b];
+  constexpr bool kPaired = std::is_same_v<CacheT, bf16>;  // the recipe (see round_to_bf16)
   // Vector v = (head i, row r, query head g) at ((i * num_rows) + r) * G + g.
   const int64_t per_head = item.num_rows * g_count;
   const int64_t vectors = item.num_kv_heads * per_head;
@@ -748,8 +1012,16 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
       const float* src = qp + (cu[b] + j) * geo.q_row_stride + h * g_count * d;
       float* dst = s.q.data() + (i * per_head + r * g_count) * d;
       for (int64_t e = 0; e < g_count * d; ++e) dst[e] = src[e] * static_cast<float>(scale);
+      if constexpr (kPaired)
+        for (int64_t e = 0; e < g_count * d; ++e) dst[e] = round_to_bf16(dst[e]);
     }
   }
+#ifdef PAGEDLLM_AVX512BF16
+  if constexpr (kPaired) {
+    s.q_pairs.resize(vectors * d / 2);
+    bf16_pairs(s.q.data(), vectors * d, s.q_pairs.data());
+  }
+#endif
   const int32_t* table = tables + b * geo.max_blocks;
   // Few rows read each chunk in place; more share one float32 copy of it.
   const bool in_place = item.num_rows <= kInPlaceRows && can_read_in_place(geo);
@@ -787,7 +1059,7 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
           continue;
         }
 #endif
-        attend_row_chunk(s, v0, g_count, d, lo, hi, soft_cap);
+        attend_row_chunk<kPaired>(s, v0, g_count, d, lo, hi, soft_cap);
       }
     }
   }
@@ -835,6 +1107,8 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.scalar_type() != at::kBFloat16 || q.size(2) % 2 == 0,
+              "bf16 caches need an even head_dim (their sums take dimensions in pairs)");
   TORCH_CHECK(q.size(2) == k_cache.size(2) && v_cache.size(3) == q.size(2) &&
                   v_cache.size(2) == k_cache.size(3) && v_cache.size(1) == k_cache.size(1),
               "caches must be k [blocks, Hkv, D, block_size] and v [blocks, Hkv, block_size, D]");
