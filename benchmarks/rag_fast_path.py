@@ -202,17 +202,21 @@ def compare(arms: Arms, prompts: list, params, repeats: int) -> dict:
             "cpu_tokens_per_s": tokens / sum(c["cpu_s"] for c in every),
         }
     plain, lookup = result["plain"], result["lookup"]
-    ratios = sorted(
-        decode_rate(b) / decode_rate(a)
+    # Per prompt, in prompt order (None where an arm decoded no token after the first):
+    # runs of two versions of the code can then be compared answer by answer, on the
+    # answers both wrote alike.
+    in_order = [
+        decode_rate(b) / decode_rate(a) if decode_rate(a) > 0 and decode_rate(b) > 0 else None
         for a, b in zip(runs["plain"], runs["lookup"])
-        if decode_rate(a) > 0 and decode_rate(b) > 0
-    )
+    ]
+    ratios = sorted(r for r in in_order if r is not None)
     result.update(
         speedup=lookup["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
         # The median proper: with an even count, the mean of the two middle ratios (the
         # upper one alone, used until 2026-12-04, read high where they lie far apart).
         median_speedup=statistics.median(ratios) if ratios else 0.0,
         per_prompt_speedups=[round(r, 3) for r in ratios],  # sorted
+        speedups_by_prompt=[None if r is None else round(r, 3) for r in in_order],
         e2e_speedup=lookup["e2e_tokens_per_s"] / plain["e2e_tokens_per_s"],
         cpu_speedup=lookup["cpu_tokens_per_s"] / plain["cpu_tokens_per_s"],
         acceptance_rate=accepted / drafted if drafted else 0.0,
