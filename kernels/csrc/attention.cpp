@@ -96,14 +96,15 @@ constexpr int64_t term(int64_t i) {
   return kPaired ? i ^ 1 : i;
 }
 
-// fn(key) for the keys lo .. hi - 1 in the order an output adds them: in order, or paired
-// (each pair of positions 2j, 2j + 1 from its odd one; a pair's invisible member skipped,
-// which is what adding its zero probability times a zeroed value does).
 // The body of a key loop is a lambda; GCC does not always inline one that is called from
 // several places, and then keeps the caller's accumulators in memory (a verifying step's
 // AVX2 attention ran 40% slower). Each body given to for_each_key is forced inline.
 #define PAGEDLLM_INLINE __attribute__((always_inline))
 
+// fn(key) for the keys lo .. hi - 1 in the order an output adds them: in order, or paired
+// (each pair of positions 2j, 2j + 1 from its odd one; a pair's invisible member skipped,
+// which is what adding its zero probability times a zeroed value does). No test per key
+// inside the loop: a first odd key and a last even one are peeled.
 template <bool kPaired, typename Fn>
 inline void for_each_key(int64_t lo, int64_t hi, const Fn& fn) {
   if constexpr (!kPaired) {
@@ -330,7 +331,7 @@ inline void softmax_chunk(__m512 (&scores)[NV][kChunk / 16], int64_t lo, int64_t
 }
 
 // acc[v] = acc[v] * corr[v], then acc[v] += probs[v][key] * value(key) for the keys lo..hi
-// in order, for NV vectors of d floats. value(key) points at the key's d values (float32
+// in the recipe's order (for_each_key), for NV vectors of d floats. value(key) points at the key's d values (float32
 // scratch or the cache itself). The accumulators of a slice of 64 dimensions (W = 4
 // vectors; W = 1 for the rest) stay in registers over all the keys.
 template <int NV, int W, bool kPaired, typename CacheT, typename ValueAt>
