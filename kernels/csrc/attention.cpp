@@ -282,6 +282,28 @@ inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo
   });
 }
 
+// Where each group of 16 positions of the chunk at `start` lies in the cache (block_size %
+// 16 == 0, so a group is inside one block): keys[g] at its first position's dimension 0
+// ([D][bs] rows, bs apart), values[g] at its first position's values ([16][D]). Groups
+// with no visible lane in [lo, hi) are null and never read: their table entries may lie
+// past the sequence's blocks.
+template <typename CacheT>
+inline void group_pointers(const CacheT* k_cache, const CacheT* v_cache, const int32_t* table,
+                           const Geometry& geo, int64_t kv_head, int64_t start, int64_t lo,
+                           int64_t hi, const CacheT* (&keys)[kChunk / 16],
+                           const CacheT* (&values)[kChunk / 16]) {
+  const int64_t d = geo.head_dim, bs = geo.block_size;
+  for (int g = 0; g < kChunk / 16; ++g) {
+    keys[g] = values[g] = nullptr;
+    if (16 * g + 16 <= lo || 16 * g >= hi) continue;
+    const int64_t pos = start + 16 * g;
+    const int64_t block = static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
+                          kv_head * geo.head_stride;
+    keys[g] = k_cache + block + pos % bs;
+    values[g] = v_cache + block + (pos % bs) * d;
+  }
+}
+
 #ifdef PAGEDLLM_AVX512
 // 16 cache values from p in float32 (bf16 widens exactly: a 16-bit shift).
 inline __m512 load16_float(const float* p) { return _mm512_loadu_ps(p); }
@@ -563,15 +585,7 @@ inline void attend_chunk_in_place_bf16(const uint32_t* q_pairs, const bf16* k_ca
   const int64_t d = geo.head_dim, bs = geo.block_size, half = d / 2;
   const bf16* keys[kT];    // group t's keys, [D][bs] with its 16 lanes here; null: unseen
   const bf16* values[kT];  // group t's values, [16][D]
-  for (int t = 0; t < kT; ++t) {
-    keys[t] = values[t] = nullptr;
-    if (16 * t + 16 <= lo || 16 * t >= hi) continue;
-    const int64_t pos = start + 16 * t;
-    const int64_t base = static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
-                         kv_head * geo.head_stride;
-    keys[t] = k_cache + base + pos % bs;
-    values[t] = v_cache + base + (pos % bs) * d;
-  }
+  group_pointers(k_cache, v_cache, table, geo, kv_head, start, lo, hi, keys, values);
   const __m512i interleave = interleave_rows_index();
   __m512 sums[NV][kT];  // never escapes (see attend_chunk_in_place): stays in registers
   for (int v = 0; v < NV; ++v)
@@ -870,16 +884,7 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
   const int64_t d = geo.head_dim, bs = geo.block_size;
   const CacheT* keys[kGroups];    // group g's keys, [D][bs] with its 16 lanes here; null: unseen
   const CacheT* values[kGroups];  // group g's values, [16][D]
-  for (int g = 0; g < kGroups; ++g) {
-    keys[g] = values[g] = nullptr;
-    // No visible lane: not read (its table entry may lie past the sequence's blocks).
-    if (16 * g + 16 <= lo || 16 * g >= hi) continue;
-    const int64_t pos = start + 16 * g;
-    const int64_t block = static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
-                          kv_head * geo.head_stride;
-    keys[g] = k_cache + block + pos % bs;
-    values[g] = v_cache + block + (pos % bs) * d;
-  }
+  group_pointers(k_cache, v_cache, table, geo, kv_head, start, lo, hi, keys, values);
   constexpr bool kPaired = std::is_same_v<CacheT, bf16>;
   chunk_scores<NV, kPaired, CacheT>(
       q, d, bs, lo, hi, [&](int g) { return keys[g]; }, probs);
