@@ -433,10 +433,6 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
                                   float* probs) {
   constexpr int kT = kChunk / 16;
   const int64_t d = geo.head_dim, bs = geo.block_size;
-  auto position_at = [&](int64_t pos) {  // element offset of position pos's keys / values
-    return static_cast<int64_t>(table[pos / bs]) * geo.block_stride + kv_head * geo.head_stride +
-           pos % bs;
-  };
   // The sums live in an array whose address is never taken, copied into `scores` (which
   // softmax_chunk takes by reference) after the loop: accumulated in `scores` directly,
   // the compiler treated them as memory that the q and key loads might alias and stored
@@ -444,12 +440,12 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
   __m512 sums[NV][kT];
   for (int v = 0; v < NV; ++v)
     for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_setzero_ps();
-  // Each score sums over d in order, as everywhere; x is the outer loop so that the
-  // NV x kT sums are independent chains in flight together (with t outer, NV chains of d
-  // dependent FMAs each made this loop latency-bound, half the kernel's time).
-  const CacheT* keys[kT];  // group t's keys, [D][bs] with its 16 lanes here; null: unseen
-  for (int t = 0; t < kT; ++t)
-    keys[t] = (16 * t + 16 <= lo || 16 * t >= hi) ? nullptr : k_cache + position_at(start + 16 * t);
+  // Each score sums over d in the recipe's order, as everywhere; x is the outer loop so
+  // that the NV x kT sums are independent chains in flight together (with t outer, NV
+  // chains of d dependent FMAs each made this loop latency-bound, half the kernel's time).
+  const CacheT* keys[kT];    // group t's keys, [D][bs] with its 16 lanes here; null: unseen
+  const CacheT* values[kT];  // group t's values, [16][D]
+  group_pointers(k_cache, v_cache, table, geo, kv_head, start, lo, hi, keys, values);
   constexpr bool kPaired = std::is_same_v<CacheT, bf16>;
   for (int64_t i = 0; i < d; ++i) {
     const int64_t x = term<kPaired>(i);
@@ -466,11 +462,8 @@ inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const C
     for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
   __m512 corr[NV];
   softmax_chunk<NV, kPaired>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
-  accumulate_values<NV, kPaired, CacheT>(acc, d, probs, corr, lo, hi, [&](int64_t key) {
-    const int64_t pos = start + key;
-    return v_cache + static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
-           kv_head * geo.head_stride + (pos % bs) * d;
-  });
+  accumulate_values<NV, kPaired, CacheT>(
+      acc, d, probs, corr, lo, hi, [&](int64_t key) { return values[key / 16] + (key % 16) * d; });
 }
 
 #ifdef PAGEDLLM_AVX512BF16
@@ -499,14 +492,9 @@ inline void bf16_pairs(const float* x, int64_t n, uint32_t* pairs) {
 
 // vpermw index: 16-bit element 2p <- element p (row 2i, position p), 2p + 1 <- element
 // 16 + p (row 2i + 1, position p).
-inline __m512i interleave_rows_index() {
-  alignas(64) int16_t index[32];
-  for (int p = 0; p < 16; ++p) {
-    index[2 * p] = static_cast<int16_t>(p);
-    index[2 * p + 1] = static_cast<int16_t>(16 + p);
-  }
-  return _mm512_load_si512(index);
-}
+alignas(64) constexpr int16_t kInterleaveRows[32] = {
+    0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // 32 rounded probabilities (float32) -> their 16 bf16 pairs: the high halves, elements
 // 1, 3, .., 63 of the two vectors.
@@ -586,7 +574,7 @@ inline void attend_chunk_in_place_bf16(const uint32_t* q_pairs, const bf16* k_ca
   const bf16* keys[kT];    // group t's keys, [D][bs] with its 16 lanes here; null: unseen
   const bf16* values[kT];  // group t's values, [16][D]
   group_pointers(k_cache, v_cache, table, geo, kv_head, start, lo, hi, keys, values);
-  const __m512i interleave = interleave_rows_index();
+  const __m512i interleave = _mm512_load_si512(kInterleaveRows);
   __m512 sums[NV][kT];  // never escapes (see attend_chunk_in_place): stays in registers
   for (int v = 0; v < NV; ++v)
     for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_setzero_ps();
@@ -1030,15 +1018,15 @@ void attend_item(const Item& item, const float* qp, const CacheT* k_cache, const
         for (int64_t e = 0; e < g_count * d; ++e) dst[e] = round_to_bf16(dst[e]);
     }
   }
+  const int32_t* table = tables + b * geo.max_blocks;
+  // Few rows read each chunk in place; more share one float32 copy of it.
+  const bool in_place = item.num_rows <= kInPlaceRows && can_read_in_place(geo);
 #ifdef PAGEDLLM_AVX512BF16
-  if constexpr (kPaired) {
+  if (kPaired && in_place) {  // the vdpbf16ps kernels take q as bf16 pairs
     s.q_pairs.resize(vectors * d / 2);
     bf16_pairs(s.q.data(), vectors * d, s.q_pairs.data());
   }
 #endif
-  const int32_t* table = tables + b * geo.max_blocks;
-  // Few rows read each chunk in place; more share one float32 copy of it.
-  const bool in_place = item.num_rows <= kInPlaceRows && can_read_in_place(geo);
   TORCH_CHECK(in_place || item.num_kv_heads == 1, "attention: only in-place items span heads");
   for (int64_t start = (lowest / kChunk) * kChunk; start <= highest; start += kChunk) {
     if (!in_place)
