@@ -225,7 +225,10 @@ class BM25Retriever(BaseRetriever):
         scores = []
         for bag in bags:
             length, score = sum(bag.values()), 0.0
-            for word in set(self._words(query)):
+            # Each distinct query word once, in the query's order: iterating a set would
+            # follow the process's string-hash seed, and the float sum of near-equal
+            # scores in another order can swap two passages from one run to the next.
+            for word in dict.fromkeys(self._words(query)):
                 having = sum(1 for other in bags if word in other)
                 if not having:
                     continue
