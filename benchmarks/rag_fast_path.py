@@ -22,14 +22,18 @@ keeps the others' last results):
                   prompt or the output (the cost of drafting for nothing).
                   Output tokens/s is each answer's tokens after the first over the time
                   from its first token to its last (time to first token is the prefix
-                  cache's business, not speculation's), summed over the answers. Each
-                  prompt runs --repeats times on each engine in ABBA order (BAAB for the
-                  next prompt), so that a busy machine slows both alike. The ratio is the
-                  median of the per-prompt ratios (a burst of load from elsewhere skews a
-                  pooled sum towards whichever arm it hit; the pooled ratio and one in
-                  process CPU time per output token are reported too). Checks that the
-                  greedy outputs are identical. Targets: >= 1.5x on "rag", >= 0.95x on
-                  "random" and "random-sampled".
+                  cache's business, not speculation's). Each prompt runs --repeats times on
+                  each engine in ABBA order (BAAB for the next prompt), so that a busy
+                  machine slows both alike. The target ratio is the workload's: output
+                  tokens/s over all the prompts (the sum of their tokens over the sum of
+                  their decode times), each prompt timed by its fastest run on each arm, so
+                  that a burst of load from elsewhere, which lengthens some runs and never
+                  shortens one, does not skew the sums towards the arm it hit. Reported
+                  beside it: the pooled ratio over every run, the median of the per-prompt
+                  ratios (which weighs a 12-token answer as much as a 96-token one), and
+                  one in process CPU time per output token. Checks that the greedy outputs
+                  are identical. Targets: >= 1.5x on "rag", >= 0.95x on "random" and
+                  "random-sampled".
 
   disk-cache      the prefix cache that survives a restart: time to first token of a
                   question after a 2,000-token system prompt, each run a fresh process
@@ -209,8 +213,15 @@ def compare(arms: Arms, prompts: list, params, repeats: int) -> dict:
         decode_rate(b) / decode_rate(a) if decode_rate(a) > 0 and decode_rate(b) > 0 else None
         for a, b in zip(runs["plain"], runs["lookup"])
     ]
+    # The workload's tokens/s per arm, each prompt timed by its fastest run (see the module
+    # docstring): what the target reads.
+    fastest = {
+        name: decode_rate([max(prompt_runs, key=lambda c: decode_rate([c])) for prompt_runs in per])
+        for name, per in runs.items()
+    }
     ratios = sorted(r for r in in_order if r is not None)
     result.update(
+        workload_speedup=fastest["lookup"] / fastest["plain"] if fastest["plain"] else 0.0,
         speedup=lookup["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
         # The median proper: with an even count, the mean of the two middle ratios (the
         # upper one alone, used until 2026-12-04, read high where they lie far apart).
@@ -292,15 +303,16 @@ def run_prompt_lookup(args: argparse.Namespace) -> dict:
     result["passed"] = bool(
         rag["identical_outputs"]
         and rand["identical_outputs"]
-        and rag["median_speedup"] >= 1.5
-        and rand["median_speedup"] >= 0.95
-        and rand_sampled["median_speedup"] >= 0.95
+        and rag["workload_speedup"] >= 1.5
+        and rand["workload_speedup"] >= 0.95
+        and rand_sampled["workload_speedup"] >= 0.95
     )
     for name, workload in (("rag", rag), ("random", rand), ("random-sampled", rand_sampled)):
         print(
             f"{name:>14}: {workload['plain']['decode_tokens_per_s']:6.1f} -> "
             f"{workload['lookup']['decode_tokens_per_s']:6.1f} output tokens/s "
-            f"(median {workload['median_speedup']:.2f}x, pooled {workload['speedup']:.2f}x; end "
+            f"(workload {workload['workload_speedup']:.2f}x; pooled over every run "
+            f"{workload['speedup']:.2f}x, median per prompt {workload['median_speedup']:.2f}x; end "
             f"to end {workload['e2e_speedup']:.2f}x, CPU time {workload['cpu_speedup']:.2f}x), "
             f"acceptance {100 * workload['acceptance_rate']:.1f}% of {workload['draft_tokens']} "
             f"drafts, {workload['mean_acceptance_length']:.2f} tokens per verifying step, "
