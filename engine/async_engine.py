@@ -283,6 +283,7 @@ class AsyncEngine(EngineClient):
 
     def _run(self) -> None:
         try:
+            self.engine.executor.claim_thread()
             while True:
                 self._beat = time.monotonic()
                 idle = not self.engine.has_unfinished_requests()

@@ -12,6 +12,9 @@ in memory (on GPU, from what a warm-up forward leaves free):
     executor.allocate(num_blocks, block_size)  KV cache (and swap space) on every rank
     executor.execute(step, block_ids)          -> logits [N, vocab] float32, sampled rows
     executor.shutdown()
+
+The thread that will call `execute` calls `executor.claim_thread()` first (the engine's
+thread, each time it starts).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class Executor(Protocol):
         """Run one step: logits [N, vocab] float32 and the indexes (into step.scheduled)
         of the requests they belong to, in order: one row each, or 1 + k rows for a
         request verifying k draft tokens."""
+        ...
+
+    def claim_thread(self) -> None:
+        """Called by the thread that will run `execute`, before its first step."""
         ...
 
     def shutdown(self) -> None:
@@ -103,6 +110,15 @@ class LocalExecutor:
     ) -> tuple[torch.Tensor, list[int]]:
         assert self.runner is not None, "allocate() the KV cache before the first step"
         return self.runner.execute(step, block_ids)
+
+    def claim_thread(self) -> None:
+        """On the CPU fast path, this thread's steps run on the kernels' own thread pool
+        (kernels/csrc/thread_pool.cpp, `kernel_thread`): torch's own ops on it (indexing,
+        the sampler) run on it alone, so that no OpenMP worker spins beside the pool after
+        them. The pool keeps torch's thread count as this thread finds it now. Elsewhere
+        torch's threads do the work, and nothing changes."""
+        if self.plan.fused_cpu:
+            torch.ops.pagedllm.kernel_thread(torch.get_num_threads())
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

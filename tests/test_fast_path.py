@@ -38,6 +38,22 @@ def test_default_is_the_fast_path_and_float32_is_the_reference(default_llm, defa
     assert not reference.fused_cpu and reference.dtype == torch.float32
 
 
+def test_engine_thread_keeps_torch_ops_off_openmp_and_the_pool_at_torch_threads(
+    default_llm, default_llm_f32
+):
+    """The engine's thread runs torch's ops on itself alone (an OpenMP worker spinning
+    after them took a quarter of a core from the kernels' pool), while the pool's loops
+    keep torch's thread count; the caller's thread keeps its own setting. The float32
+    path's steps are torch's ops and keep their threads."""
+    ops = torch.ops.pagedllm
+    callers = torch.get_num_threads()
+    default_llm.generate(["Hello"], GREEDY)
+    on_engine = default_llm.engine.call(lambda: (torch.get_num_threads(), ops.pool_threads()))
+    assert on_engine == (1, callers)
+    assert (torch.get_num_threads(), ops.pool_threads()) == (callers, callers)
+    assert default_llm_f32.engine.call(torch.get_num_threads) == callers
+
+
 def test_gguf_weights_stay_packed(default_llm):
     """SmolLM2's Q4_1 linears and Q8_0 embedding are held packed: ~100 MB, not the 540 MB of
     float32 (or 270 MB of bf16) a dequantized copy would take; in the kernels' tile layout,

@@ -349,6 +349,9 @@ class TensorParallelExecutor:
             except Exception:
                 logger.exception("destroying the tensor-parallel group failed")
 
+    def claim_thread(self) -> None:
+        """Nothing to do: the ranks run eager torch ops, on torch's threads."""
+
     def shutdown(self) -> None:
         """Stop every rank (politely first) and leave the process group. Idempotent."""
         if self._group_up and self._dead is None and not self._closing:
