@@ -16,12 +16,13 @@ the same bytes for llama.cpp and pagedllm, whole GiB for vLLM (VLLM_CPU_KVCACHE_
     peak RSS        of the process (MiB), for the largest batch it ran
 
 Each batch size gets prompts of its own (no prefix of one job is cached for the next: vLLM
-and pagedllm both cache prefixes). The systems take turns for `--rounds` rounds, and each
-figure is a system's best round (its largest peak RSS): on a shared machine load from
-elsewhere only ever slows a run down, and on this project's VMs the two vCPUs sometimes
-share one physical core for minutes, which halves the speed of whichever system runs
-then. Every round's figures are kept in the JSON, with the machine's float32 GEMM rate
-measured just before each system's turn (`probe_gflops`), which shows when that happened.
+and pagedllm both cache prefixes). The systems take turns for `--rounds` rounds, each round
+starting with the next system, and each figure is a system's best round (peak memory: its
+largest). On a shared VM load from elsewhere only ever slows a run down, and this
+project's VMs change speed for minutes at a time (a register-only vpdpbusd loop on both
+vCPUs: 1.85 G/s per thread at one time, 3.6 at another), which slows whichever system
+runs then. Every round's figures are kept in the JSON, with the machine's float32 GEMM rate
+measured just before each system's turn (`probe_gflops`).
 
 Peers are built or installed outside the project (not part of `make test`):
     ../shared/tools/build-llama-cpp     prints the folder of llama.cpp's binaries (~15 min once)
@@ -258,7 +259,9 @@ def main() -> int:
     report["rounds"] = []
     for round_index in range(args.rounds):
         this_round: dict = {}
-        for name in systems:
+        # Each round starts with another system, so that none always follows the same one.
+        turn = round_index % len(systems)
+        for name in systems[turn:] + systems[:turn]:
             this_round[f"{name} probe_gflops"] = _probe_gflops(args.threads)
             if name == "llama.cpp":
                 this_round[name] = llama_cpp(binaries, gguf, args.npl, args.threads)
