@@ -294,8 +294,8 @@ def _best_of_rounds(runs: list[dict], npl: list[int]) -> dict:
 
 
 def _probe_gflops(threads: int) -> float:
-    """The machine's float32 GEMM rate on `threads` threads right now (~0.3 s): it drops by
-    about half while the VM's two vCPUs share one physical core or a neighbour loads it."""
+    """The machine's float32 GEMM rate on `threads` threads right now (~0.3 s): it drops
+    while load from elsewhere slows the VM's vCPUs, which slows the system run next too."""
     import torch
 
     torch.set_num_threads(threads)
