@@ -497,6 +497,42 @@ def test_a_batch_of_decode_rows_gets_each_sequences_own_bits():
     torch.testing.assert_close(together.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("block_size,window", [(16, 0), (32, 0), (16, 40), (24, 0)])
+def test_prefetching_the_next_chunk_changes_no_output(block_size, window):
+    """In-place attention prefetches the lines of the chunk it reads next: the next KV head,
+    the next chunk, the next item's first (sliding windows and scattered tables included;
+    block size 24 does not divide a chunk, so nothing is prefetched there). Only timing
+    may change: the outputs are the same bits with it off."""
+    g = torch.Generator().manual_seed(block_size + window)
+    heads, kv_heads, head_dim = 9, 3, 64
+    sequences = 4 * 4 * max(1, torch.get_num_threads())  # items spanning all KV heads
+    lens = [int(n) for n in torch.randint(1, 200, (sequences,), generator=g)]
+    query_lens = [min(n, 1 + i % 3) for i, n in enumerate(lens)]
+    tables, num_blocks = _scattered_block_tables(lens, block_size, g, spare=3)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    cu = _cumulative(query_lens)
+    q = torch.randn(cu[-1], heads, head_dim, generator=g)
+    fast_k, fast_v = fast_layout(k_cache, v_cache)
+    args = (
+        torch.arange(sequences), torch.tensor(cu, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32),
+        head_dim**-0.5, window, 0.0,
+    )  # fmt: skip
+    outputs = []
+    was = ops().set_attention_prefetch(True)
+    try:
+        for on in (True, False):
+            ops().set_attention_prefetch(on)
+            out = torch.full_like(q, float("nan"))
+            ops().paged_attention_rows_(q, fast_k, fast_v, out, *args)
+            outputs.append(out)
+    finally:
+        ops().set_attention_prefetch(was)
+    assert not outputs[0].isnan().any()
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def _vector_attention() -> bool:
     """Whether this CPU runs the vector attention kernels (AVX-512, or AVX2 with the same
     bits); the plain C++ ones (std::exp, sums in key order) give other bits."""
