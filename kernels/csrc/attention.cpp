@@ -1183,7 +1183,7 @@ void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tenso
     s.keys_t.resize(geo.head_dim * kChunk);
     s.values.resize(kChunk * geo.head_dim);
     s.probs.resize(kChunk * std::max(kGroup, kInPlaceGroup));
-    // The item after this one in the list is most often the next one a thread takes.
+    // The next item in the list is the one the next free thread claims (often this one).
     const Item* next = i + 1 < static_cast<int64_t>(items.size()) ? &items[i + 1] : nullptr;
     attend_item(items[i], next, qp, kc, vc, op, cu, lens, tables, geo, scale, window, soft_cap,
                 s);
