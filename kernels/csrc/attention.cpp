@@ -179,7 +179,7 @@ struct Scratch {
 struct NextLines {
   static constexpr int kMaxRegions = 2 * (kChunk / 16);  // keys and values of its blocks
   const char* region[kMaxRegions];
-  int64_t regions = 0, lines_per_region = 0, issued = 0, total = 0;
+  int64_t regions = 0, issued = 0, total = 0;
 
   void clear() { regions = issued = total = 0; }
 
@@ -196,8 +196,8 @@ struct NextLines {
       region[regions++] = reinterpret_cast<const char*>(k_cache + base);
       region[regions++] = reinterpret_cast<const char*>(v_cache + base);
     }
-    lines_per_region = (geo.head_dim * bs * static_cast<int64_t>(sizeof(CacheT)) + 63) / 64;
-    total = regions * lines_per_region;
+    const int64_t region_bytes = geo.head_dim * bs * static_cast<int64_t>(sizeof(CacheT));
+    total = regions * ((region_bytes + 63) / 64);
   }
 
   // Prefetches the next `count` lines (line i of every region, then line i + 1, ...).
