@@ -58,10 +58,15 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.view(m, k).to(torch.int8), amax / 127.0, q.view(m, k // 16, 16).sum(-1).int()
 
 
-def test_activation_quantization_is_llama_cpp_q8():
-    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(5)) * 3
+# 3 blocks; 16 (one batch of the AVX-512 code's 16); 19 (a batch, then 3, and an odd
+# number of blocks, so a half-full last 64 bytes for the half-block sums); 48.
+@pytest.mark.parametrize("k", [96, 512, 608, 1536])
+def test_activation_quantization_is_llama_cpp_q8(k):
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5)) * 3
     x[2, :32] = 0.0  # an all-zero block
     x[3, 5] = 1e4  # an outlier owns its block's scale
+    x[4, -32:] = 0.0  # an all-zero last block
+    x[5, -1] = -1e4
     qx, d, sums = ops().quantize_activations(x)
     ref_q, ref_d, ref_sums = quantize_reference(x)
     assert torch.equal(qx, ref_q) and torch.equal(d, ref_d) and torch.equal(sums, ref_sums)
