@@ -102,7 +102,7 @@ def test_packed_linears_give_the_same_bits_on_every_instruction_set(flags, tmp_p
         assert torch.equal(ours, other), (flags, kind, group, mins.numel() > 0)
 
 
-# The other vector kernels (attention, norms, activations, argmax, dense bf16 linears) have
+# The other vector kernels (attention, norms, activations, argmax, sampling, dense bf16 linears) have
 # AVX-512 and AVX2 forms that run the same float32 operations per element in the same order
 # (their plain C++ fallback uses std::exp, so it is not compared). On an AVX-512 CPU the whole
 # library is built again without AVX-512, i.e. its AVX2 kernels, and every output must equal
@@ -145,6 +145,12 @@ def vector_kernel_cases() -> list[tuple[str, list, int | None]]:
         ("add_rms_norm", [x, torch.randn(5, hidden, generator=g), torch.rand(hidden), 1e-6], None),
         ("argmax_rows", [torch.randn(4, 1003, generator=g)], None),
     ]
+    logits = torch.randn(6, 1003, generator=g) * 4
+    logits[1, 100:] = float("-inf")
+    uniforms = torch.tensor([0.0, 0.3, 0.5, 0.7, 0.9, 0.99999994])
+    cases.append(
+        ("sample_rows", [logits, torch.tensor([0.5, 1.0, 1.0, 0.8, 2.0, 1.0]), uniforms], None)
+    )
     gate_up = torch.randn(5, 2 * inter, generator=g) * 4
     gate_up[0, :8] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 88.0, 100.0])
     cases += [("gated_act", [gate_up, False], None), ("gated_act", [gate_up, True], None)]

@@ -33,12 +33,54 @@ def draw(logits: list[float], params: SamplingParams, times: int = 4000) -> Coun
     return Counter(sampler(rows, requests).token_ids)
 
 
-def test_temperature_sampling_follows_the_softmax():
+@pytest.fixture(params=["torch", "kernels"])
+def sampling_path(request, monkeypatch):
+    """Rows with only a temperature are drawn by the C++ kernel where it is loaded
+    (`sample_rows`), else by torch: each test using this runs on both."""
+    from pagedllm_integrations.engine import sampler as sampler_module
+    from pagedllm_integrations.kernels import cpu_ext
+
+    if request.param == "kernels":
+        if not cpu_ext.load():
+            pytest.skip(f"no C++ CPU kernels here: {cpu_ext.load_error()}")
+    else:
+        monkeypatch.setattr(sampler_module, "_cpu_kernels", lambda: False)
+    return request.param
+
+
+def test_temperature_sampling_follows_the_softmax(sampling_path):
     logits = [2.0, 1.0, 0.0, -1.0]
     counts = draw(logits, SamplingParams(temperature=1.0))
     probs = torch.softmax(torch.tensor(logits), 0).tolist()
     for token, p in enumerate(probs):
         assert abs(counts[token] / 4000 - p) < 0.03
+
+
+def test_temperature_draws_are_the_inverse_cdf_of_the_softmax(sampling_path):
+    """Each row's token is where its cumulative softmax (float64 here) crosses the row's
+    uniform, up to float32 rounding; masked (-inf) tokens are never drawn, and a seeded
+    row draws the same token alone and in a batch."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 1000  # not a multiple of 16: a partial last group
+    logits = torch.randn(24, vocab, generator=g) * 3
+    logits[::3, 500:] = float("-inf")  # every third row: the upper half masked
+    temperatures = [0.3, 0.7, 1.0, 1.5]
+    params = [SamplingParams(temperature=temperatures[i % 4]) for i in range(24)]
+    requests = [fake_request(p, seed=100 + i) for i, p in enumerate(params)]
+    tokens = Sampler(vocab, torch.device("cpu"))(logits.clone(), requests).token_ids
+    for i, token in enumerate(tokens):
+        u = torch.rand(1, generator=torch.Generator().manual_seed(100 + i)).double().item()
+        probs = torch.softmax(logits[i].double() / temperatures[i % 4], 0)
+        cdf = probs.cumsum(0)
+        assert probs[token] > 0
+        assert cdf[token] >= u - 1e-5 and (token == 0 or cdf[token - 1] <= u + 1e-5)
+    alone = [
+        Sampler(vocab, torch.device("cpu"))(
+            logits[i : i + 1].clone(), [fake_request(params[i], seed=100 + i)]
+        ).token_ids[0]
+        for i in range(24)
+    ]
+    assert alone == tokens
 
 
 def test_top_k_top_p_min_p_cut_the_distribution():
