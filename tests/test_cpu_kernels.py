@@ -238,6 +238,22 @@ def test_argmax_rows_is_torch_max_indices():
         assert torch.equal(ops().argmax_rows(rows), rows.max(dim=-1).indices)
 
 
+def test_sample_rows_edge_rows():
+    """u = 0 draws the first token of positive mass and u just below 1 the last; a token
+    of +inf logit takes all the mass (the first such); a row of -inf draws token 0."""
+    x = torch.full((4, 100), float("-inf"))
+    x[0, [5, 70]] = torch.tensor([1.0, 2.0])
+    x[1, 99] = 0.0
+    x[2] = torch.randn(100, generator=torch.Generator().manual_seed(2))
+    x[2, [30, 60]] = float("inf")
+    ones = torch.ones(4)
+    assert ops().sample_rows(x, ones, torch.zeros(4)).tolist() == [5, 99, 30, 0]
+    just_below_one = torch.full((4,), 0.99999994)
+    assert ops().sample_rows(x, ones, just_below_one).tolist() == [70, 99, 30, 0]
+    with pytest.raises(RuntimeError, match="temperatures must be positive"):
+        ops().sample_rows(x, torch.zeros(4), torch.zeros(4))
+
+
 def test_gated_activations():
     x = torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(2)) * 3
     x[0, :8] = torch.tensor([-30.0, -12.0, -6.0, -4.5, 0.0, 4.5, 12.0, 90.0])  # both tails

@@ -391,8 +391,10 @@ Tensor sample_rows(const Tensor& logits_in, const Tensor& temperature_in, const 
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * v;
       const float m = row_max(row, v), inv_t = 1.f / tp[r];
-      int64_t chosen = 0;  // every logit -inf: the first token
-      if (std::isfinite(m)) {
+      int64_t chosen = 0;  // every logit -inf (or NaN): the first token
+      if (m == INFINITY) {  // a token of infinite logit takes all the mass: the first one
+        while (row[chosen] != INFINITY) ++chosen;
+      } else if (std::isfinite(m)) {
         float total = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
           group_sums[g] = scaled_exp16(row + 16 * g, group_lanes(g), m, inv_t, e);
