@@ -184,7 +184,13 @@ def _temperature_only(params, vocab: int) -> bool:
 
 
 def _cpu_sampling(logits: torch.Tensor) -> bool:
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and _cpu_kernels()
+    """Whether the C++ kernels can take these [N, V] logits (argmax_rows, sample_rows)."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and _cpu_kernels()
+    )
 
 
 def _uniforms(requests: list, generator: torch.Generator) -> torch.Tensor:
@@ -220,7 +226,7 @@ def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
     index and, on CPU, 2-4x faster than torch's argmax (15 ms against 3 for 64 rows of a
     49k vocabulary); the C++ kernel, where it is loaded, another ~20x (its own threads,
     vectorised)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and _cpu_kernels():
+    if _cpu_sampling(x):
         return torch.ops.pagedllm.argmax_rows(x)
     return x.max(dim=-1).indices
 
