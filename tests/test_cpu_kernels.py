@@ -280,12 +280,19 @@ def fast_layout(k_cache: torch.Tensor, v_cache: torch.Tensor):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_cache_writes_skip_padding(dtype):
-    want_k = torch.zeros(6, 8, 2, 16, dtype=dtype)
+@pytest.mark.parametrize("rows", [5, 100])
+def test_kv_cache_writes_skip_padding(dtype, rows):
+    """Rows land in their slots, padding (-1) nowhere; 100 rows are split over the kernel
+    threads (each prefetching its next row's lines)."""
+    want_k = torch.zeros(24, 8, 2, 16, dtype=dtype)  # 24 blocks of 8 slots
     want_v = torch.zeros_like(want_k)
-    kv = torch.randn(5, 2 * 2 * 16)
-    k, v = kv[:, :32].view(5, 2, 16), kv[:, 32:].view(5, 2, 16)  # strided rows
-    slots = torch.tensor([3, 17, -1, 40, 0])
+    kv = torch.randn(rows, 2 * 2 * 16)
+    k, v = kv[:, :32].view(rows, 2, 16), kv[:, 32:].view(rows, 2, 16)  # strided rows
+    if rows == 5:
+        slots = torch.tensor([3, 17, -1, 40, 0])
+    else:
+        slots = torch.randperm(24 * 8, generator=torch.Generator().manual_seed(rows))[:rows]
+        slots[::7] = -1
     reference.reshape_and_cache(k, v, want_k, want_v, slots)
     k_cache, v_cache = fast_layout(torch.zeros_like(want_k), torch.zeros_like(want_v))
     ops().write_kv_cache_(k, v, k_cache, v_cache, slots)

