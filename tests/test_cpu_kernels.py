@@ -649,16 +649,18 @@ def _attend_recipe(q, keys, values, first, last, soft_cap):
         (3, 131, 40, 0.0, 32, 16),
         (20, 90, 0, 5.0, 32, 16),
         (2, 141, 37, 0.0, 96, 32),  # slices of 64 and 32 dimensions; rows bs apart
+        (18, 141, 37, 0.0, 96, 32),  # a prompt item whose window starts mid-chunk
+        (40, 150, 0, 0.0, 64, 16),  # prompt items whose rows see whole chunks together
     ],
 )
 def test_attention_is_the_documented_recipe_bit_for_bit(
     rows, length, window, soft_cap, head_dim, block_size
 ):
     """Every output of the vector kernels (decode rows read in place, prompt rows through
-    float32 scratch) equals the recipe written out in numpy float32, bit for bit: the
-    AVX-512 kernels, their AVX2 port (8-lane halves) and the vdpbf16ps kernels of
-    AVX512-BF16 CPUs run exactly these operations, so a machine of any kind checks that
-    its kernels give the others' bits."""
+    a scratch copy of each chunk: float32, or vdpbf16ps pairs) equals the recipe written
+    out in numpy float32, bit for bit: the AVX-512 kernels, their AVX2 port (8-lane halves)
+    and the vdpbf16ps kernels of AVX512-BF16 CPUs run exactly these operations, so a
+    machine of any kind checks that its kernels give the others' bits."""
     g = torch.Generator().manual_seed(length)
     heads, kv_heads = 4, 2
     blocks = -(-length // block_size)
