@@ -66,7 +66,7 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t kChunk = 64;
-constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kQueryBlock = 32;
 constexpr int kGroup = 4;  // query vectors attended together (their scores stay in registers)
 // The same where several rows read a chunk in place together (verification): with 32
 // registers, 6 vectors' 24 score sums (or 6 x 4 value accumulators) still fit, and each
