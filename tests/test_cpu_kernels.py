@@ -105,6 +105,29 @@ def test_packed_linears_match_int8_recipe_and_are_batch_invariant(n, k):
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n,k", [(64, 64), (96, 96), (192, 512)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_fused_gate_up_is_the_gated_act_of_the_linear(n, k, gelu):
+    """gated_tiled_linear (a gate_up weight and the gated activation at once, without the
+    [M, N] output in between; what the decoder stack runs) gives gated_act(linear(x)) bit
+    for bit: every weight format, rows across the kernel's passes and 64-row chunks."""
+    from pagedllm_integrations.quant.packed_linear import kernel_weight, packed_matmul
+
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(n + k))
+    for weight in [*weights(n, k), random_i8(n, k, 32, True, 21)]:
+        tiled = kernel_weight(weight)
+        mins = tiled.mins if tiled.mins is not None else torch.empty(0)
+        for m in (1, 5, 8, 64, 65, 130):
+            want = ops().gated_act(packed_matmul(x[:m], tiled), gelu)
+            got = ops().gated_tiled_linear(
+                x[:m], tiled.tiles, tiled.scales, mins, tiled.group, n, tiled.kind == "u4", gelu
+            )
+            assert torch.equal(got, want), (weight.kind, m)
+    odd = kernel_weight(weights(48, k)[0])  # halves of 24 rows: not whole 16-row tiles
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops().gated_tiled_linear(x, odd.tiles, odd.scales, odd.mins, 32, 48, True, gelu)
+
+
 @pytest.fixture
 def amx_switch():
     """Yields torch.ops.pagedllm.set_amx_enabled; AMX is restored afterwards."""

@@ -12,7 +12,8 @@
 //   write_kv_cache_(k, v)                   into this layer's blocks
 //   attn     = paged_attention_rows_(q)     [T, Hq, D]
 //   h        = add_rms_norm(linear(attn), residual)
-//   x        = linear(gated_act(linear(h)))       (gate_up, then down)
+//   x        = linear(gated_act(linear(h)))       (gate_up, then down; a tiled gate_up
+//                                                  runs fused with the activation)
 //
 // Returns (x, residual) of the last layer: the caller applies the final norm. x_in is
 // not modified. The intermediates (h, qkv, attn, ...) live in the calling thread's step
@@ -54,6 +55,25 @@ Tensor linear(const Tensor* tensors, const int64_t* ints, int64_t j, const Tenso
   }
   if (t[3].numel() > 0) y.add_(t[3]);  // the bias, added as `out + bias` adds it
   return y;
+}
+
+// Whether a layer's gate_up (linear 2) runs fused with the gated activation
+// (gated_tiled_linear): a tiled weight, whole tiles per half, no bias.
+bool fused_gate_up(const Tensor* tensors, const int64_t* ints) {
+  const int64_t kind = ints[6], n = ints[8];
+  return (kind == kU4 || kind == kI8) && n % 32 == 0 && tensors[2 + 4 * 2 + 3].numel() == 0;
+}
+
+// The layer's MLP activation act(x W_gate^T) * (x W_up^T) [T, I] into `act`; through
+// `gate_up` ([T, 2I]) only where the weight is not fused.
+Tensor gated_mlp_act(const Tensor* tensors, const int64_t* ints, const Tensor& x,
+                     Tensor& gate_up, Tensor& act) {
+  if (fused_gate_up(tensors, ints)) {
+    const Tensor* t = tensors + 2 + 4 * 2;
+    return api::gated_tiled_linear(x, t[0], t[1], t[2], ints[7], ints[8], ints[6] == kU4,
+                                   false, &act);
+  }
+  return api::gated_act(linear(tensors, ints, 2, x, &gate_up), false, &act);
 }
 
 // The calling thread's step workspace: float32 pages of its own (page_backed_floats),
@@ -120,7 +140,13 @@ std::tuple<Tensor, Tensor> decoder_stack(
   Tensor residual;
   // One set of buffers serves every layer: each must have the first one's widths.
   const int64_t hidden = x_in.size(1);
-  LayerBuffers buf = layer_buffers(t, hidden, ints[2], q_size, ints[8], ints[8] / 2);
+  // gate_up's [T, 2I] buffer only where some layer does not fuse it with the activation
+  bool all_fused = true;
+  for (int64_t layer = 0; layer < layers; ++layer)
+    all_fused = all_fused && fused_gate_up(params.data() + layer * kTensorsPerLayer,
+                                           ints.data() + layer * kIntsPerLayer);
+  LayerBuffers buf = layer_buffers(t, hidden, ints[2], q_size, all_fused ? 0 : ints[8],
+                                   ints[8] / 2);
   for (int64_t layer = 0; layer < layers; ++layer) {
     const Tensor* p = params.data() + layer * kTensorsPerLayer;
     const int64_t* n = ints.data() + layer * kIntsPerLayer;
@@ -144,7 +170,7 @@ std::tuple<Tensor, Tensor> decoder_stack(
     api::paged_attention_rows_(q, k_cache, v_cache, attn, seq_ids, cu_seqlens_q, seq_lens,
                                block_tables, scale, n[12], 0.0);
     h = api::add_rms_norm(linear(p, n, 1, buf.attn, &buf.proj), residual, p[1], eps, &buf.h);
-    Tensor act = api::gated_act(linear(p, n, 2, h, &buf.gate_up), false, &buf.act);
+    Tensor act = gated_mlp_act(p, n, h, buf.gate_up, buf.act);
     // The last layer's output is returned: a tensor of its own, not the reused buffer.
     x = layer + 1 < layers ? linear(p, n, 3, act, &buf.proj) : linear(p, n, 3, act);
   }

@@ -29,6 +29,12 @@ Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scale
                        const Tensor& mins, int64_t n, Tensor* out = nullptr);
 Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                        const Tensor& mins, int64_t group, int64_t n, Tensor* out = nullptr);
+// The gate_up linear of a tiled weight [N, K] (gate rows 0..N/2-1, then up) and the
+// gated activation at once: x [M, K] -> [M, N/2], as gated_act(linear(x)) gives it.
+// `format_u4`: u4 tiles (else i8); N % 32 == 0.
+Tensor gated_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
+                          const Tensor& mins, int64_t group, int64_t n, bool format_u4,
+                          bool gelu, Tensor* out = nullptr);
 
 }  // namespace api
 }  // namespace pagedllm

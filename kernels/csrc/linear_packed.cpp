@@ -41,6 +41,7 @@
 // Shapes at the boundary: x float32 [M, K] -> y float32 [M, N]; K a multiple of 32.
 
 #include "amx.h"
+#include "activation.h"
 #include "kernels.h"
 
 namespace pagedllm {
@@ -773,47 +774,110 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
 }
 #endif
 
+// Rows c0 .. c1 (at most kRowChunk) of x against one tile: out[r - c0] for each row,
+// rows out_stride apart; `ahead` (the tile this thread takes next, or null) is
+// prefetched by the first pass.
+template <Format F, int G, typename S>
+inline void tile_row_chunk(const TileData& tile, const QuantizedRows& x, int64_t c0, int64_t c1,
+                           float* out, int64_t out_stride, int64_t lanes, const TileData* ahead) {
+  int64_t r = c0;
+  for (; c1 - r > kLastPassRows; r += kPassRows)
+    tile_rows<F, G, kPassRows, S>(tile, x, r, out + (r - c0) * out_stride, out_stride, lanes,
+                                  r == c0 ? ahead : nullptr);
+  if (r == c1) return;
+  // The last pass takes the remaining rows at once (1..kLastPassRows).
+  const TileData* last_ahead = r == c0 ? ahead : nullptr;
+  float* o = out + (r - c0) * out_stride;
+  switch (c1 - r) {
+#define PAGEDLLM_LAST_PASS(MR) \
+  case MR: tile_rows<F, G, MR, S>(tile, x, r, o, out_stride, lanes, last_ahead); break;
+    PAGEDLLM_LAST_PASS(7) PAGEDLLM_LAST_PASS(6) PAGEDLLM_LAST_PASS(5)
+    PAGEDLLM_LAST_PASS(4) PAGEDLLM_LAST_PASS(3) PAGEDLLM_LAST_PASS(2)
+    PAGEDLLM_LAST_PASS(1)
+#undef PAGEDLLM_LAST_PASS
+    default: break;
+  }
+}
+
+// A tiled weight's pointers: tile t (TileData) of T.
+template <typename S>
+struct TilePointers {
+  const uint8_t* bytes;
+  const S* scales;
+  const S* mins;  // null: no mins
+  int64_t tile_bytes, groups;
+
+  TilePointers(const Tensor& tiles, const Tensor& scales_t, const Tensor& mins_t, int64_t k,
+              int64_t group)
+      : bytes(tiles.data_ptr<uint8_t>()),
+        scales(scales_t.data_ptr<S>()),
+        mins(mins_t.numel() > 0 ? mins_t.data_ptr<S>() : nullptr),
+        tile_bytes(tiles.numel() / tiles.size(0)),
+        groups(k / group) {}
+
+  TileData tile(int64_t t) const {
+    return {bytes + t * tile_bytes, scales + t * groups * kTile,
+            mins != nullptr ? mins + t * groups * kTile : nullptr};
+  }
+};
+
 template <Format F, int G, typename S>
 void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const Tensor& scales,
                   const Tensor& mins, int64_t n, float* out) {
-  const int64_t k = x.k, num_tiles = tiles.size(0), groups = k / G;
-  const int64_t tile_bytes = tiles.numel() / num_tiles;
-  const uint8_t* tp = tiles.data_ptr<uint8_t>();
-  const S* sp = scales.data_ptr<S>();
-  const S* mp = mins.numel() > 0 ? mins.data_ptr<S>() : nullptr;
 #ifdef PAGEDLLM_AMX
   if (m >= kAmxMinRows && amx::enabled()) {
     amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, out);
     return;
   }
 #endif
-  parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+  const TilePointers<S> w(tiles, scales, mins, x.k, G);
+  parallel_for(0, tiles.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
       const int64_t c1 = std::min(m, c0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
-        const TileData tile{tp + t * tile_bytes, sp + t * groups * kTile,
-                            mp != nullptr ? mp + t * groups * kTile : nullptr};
-        const int64_t lanes = std::min(kTile, n - t * kTile);
-        float* o = out + t * kTile;
-        // The first pass over a tile prefetches the next one (tile_rows).
-        const TileData next{tp + (t + 1) * tile_bytes, sp + (t + 1) * groups * kTile,
-                            mp != nullptr ? mp + (t + 1) * groups * kTile : nullptr};
-        const TileData* ahead = t + 1 < end ? &next : nullptr;
-        int64_t r = c0;
-        for (; c1 - r > kLastPassRows; r += kPassRows)
-          tile_rows<F, G, kPassRows, S>(tile, x, r, o + r * n, n, lanes, r == c0 ? ahead : nullptr);
-        if (r == c1) continue;
-        // The last pass takes the remaining rows at once (1..kLastPassRows).
-        const TileData* last_ahead = r == c0 ? ahead : nullptr;
-        switch (c1 - r) {
-#define PAGEDLLM_LAST_PASS(MR) \
-  case MR: tile_rows<F, G, MR, S>(tile, x, r, o + r * n, n, lanes, last_ahead); break;
-          PAGEDLLM_LAST_PASS(7) PAGEDLLM_LAST_PASS(6) PAGEDLLM_LAST_PASS(5)
-          PAGEDLLM_LAST_PASS(4) PAGEDLLM_LAST_PASS(3) PAGEDLLM_LAST_PASS(2)
-          PAGEDLLM_LAST_PASS(1)
-#undef PAGEDLLM_LAST_PASS
-          default: break;
-        }
+        const TileData next = w.tile(t + 1);  // prefetched by the first pass over tile t
+        tile_row_chunk<F, G, S>(w.tile(t), x, c0, c1, out + c0 * n + t * kTile, n,
+                                std::min(kTile, n - t * kTile), t + 1 < end ? &next : nullptr);
+      }
+    }
+  });
+}
+
+// The gate_up linear and the gated activation at once: out [M, N/2] = act(x W_gate^T) *
+// (x W_up^T), W's gate rows 0..N/2-1 and up rows N/2..N-1 (N % 32 == 0: each half whole
+// tiles). Each thread takes gate tile t with up tile t + T/2, computes a row chunk of
+// both into buffers in L1 and writes the activation: gate_up's [M, N] output never goes
+// to memory and back (for a 512-token prompt step of SmolLM2, 6 MB per layer written,
+// then read by gated_act). The same bits as gated_act(tiled_matmul(..)).
+template <Format F, int G, typename S>
+void gated_tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles,
+                        const Tensor& scales, const Tensor& mins, int64_t n, bool gelu,
+                        float* out) {
+  const int64_t half = n / 2, half_tiles = half / kTile;
+#ifdef PAGEDLLM_AMX
+  if (m >= kAmxMinRows && amx::enabled()) {  // AMX's blocking is its own: not fused
+    Tensor gate_up = at::empty({m, n}, at::kFloat);
+    amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, gate_up.data_ptr<float>());
+    const float* g = gate_up.data_ptr<float>();
+    parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+      gated_rows(g + begin * n, g + begin * n + half, n, out + begin * half, half,
+                      end - begin, half, gelu);
+    });
+    return;
+  }
+#endif
+  const TilePointers<S> w(tiles, scales, mins, x.k, G);
+  parallel_for(0, half_tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float gate[kRowChunk * kTile], up[kRowChunk * kTile];
+    for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
+      const int64_t c1 = std::min(m, c0 + kRowChunk);
+      for (int64_t t = begin; t < end; ++t) {
+        const TileData up_tile = w.tile(t + half_tiles), next = w.tile(t + 1);
+        tile_row_chunk<F, G, S>(w.tile(t), x, c0, c1, gate, kTile, kTile, &up_tile);
+        tile_row_chunk<F, G, S>(up_tile, x, c0, c1, up, kTile, kTile,
+                                t + 1 < end ? &next : nullptr);
+        gated_rows(gate, up, kTile, out + c0 * half + t * kTile, half, c1 - c0, kTile,
+                        gelu);
       }
     }
   });
@@ -862,6 +926,38 @@ Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor&
     if (half) tiled_matmul<Format::kI8, 16, at::Half>(qx, m, tiles, scales, mins, n, op);
     else tiled_matmul<Format::kI8, 16, float>(qx, m, tiles, scales, mins, n, op);
   }
+  return out;
+}
+
+// x [M, K] float32 -> act [M, N/2] float32 (gated_tiled_matmul)
+Tensor gated_tiled_linear(const Tensor& x_in, const Tensor& tiles, const Tensor& scales,
+                          const Tensor& mins, int64_t group, int64_t n, bool format_u4,
+                          bool gelu, Tensor* out_buffer = nullptr) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(n % (2 * kTile) == 0, "a fused gate_up needs N a multiple of ", 2 * kTile,
+              " (whole tiles per half), got ", n);
+  const Format format = format_u4 ? Format::kU4 : Format::kI8;
+  Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  check_tiles(tiles, scales, mins, n, k, group, format);
+  Tensor out = float_output(out_buffer, m, n / 2, x.options());
+  if (m == 0) return out;
+  const QuantizedRows qx = quantize_activations(x);
+  float* op = out.data_ptr<float>();
+  const bool half = scales.scalar_type() == at::kHalf;
+#define PAGEDLLM_GATED(F, G, S) \
+  gated_tiled_matmul<F, G, S>(qx, m, tiles, scales, mins, n, gelu, op)
+  if (format == Format::kU4) {
+    if (half) PAGEDLLM_GATED(Format::kU4, 32, at::Half);
+    else PAGEDLLM_GATED(Format::kU4, 32, float);
+  } else if (group == 32) {
+    if (half) PAGEDLLM_GATED(Format::kI8, 32, at::Half);
+    else PAGEDLLM_GATED(Format::kI8, 32, float);
+  } else {
+    if (half) PAGEDLLM_GATED(Format::kI8, 16, at::Half);
+    else PAGEDLLM_GATED(Format::kI8, 16, float);
+  }
+#undef PAGEDLLM_GATED
   return out;
 }
 
@@ -1001,6 +1097,11 @@ Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scale
                        const Tensor& mins, int64_t group, int64_t n, Tensor* out) {
   return pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n, out);
 }
+Tensor gated_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
+                          const Tensor& mins, int64_t group, int64_t n, bool format_u4,
+                          bool gelu, Tensor* out) {
+  return pagedllm::gated_tiled_linear(x, tiles, scales, mins, group, n, format_u4, gelu, out);
+}
 }  // namespace api
 }  // namespace pagedllm
 
@@ -1028,6 +1129,13 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
            const at::Tensor& mins, int64_t group, int64_t n, at::Tensor out) {
           pagedllm::i8_tiled_linear(x, tiles, scales, mins, group, n, &out);
+        });
+  // gated_act(x W^T) for a gate_up weight (gate rows, then up rows), fused.
+  m.def("gated_tiled_linear(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int group, "
+        "int n, bool is_u4, bool gelu) -> Tensor",
+        [](const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+           const at::Tensor& mins, int64_t group, int64_t n, bool is_u4, bool gelu) {
+          return pagedllm::gated_tiled_linear(x, tiles, scales, mins, group, n, is_u4, gelu);
         });
   m.def("tile_u4(Tensor qweight) -> Tensor", &pagedllm::tile_u4);
   m.def("tile_i8(Tensor qweight) -> Tensor", &pagedllm::tile_i8);

@@ -2,6 +2,7 @@
 // neox rotary embedding in place, gated activations, and KV cache writes.
 
 #include "kernels.h"
+#include "activation.h"
 
 namespace pagedllm {
 namespace {
@@ -136,26 +137,7 @@ void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& c
 }
 
 // ------------------------------------------------------------- activation
-// silu(g) * u and gelu_tanh(g) * u, the scalar forms of the vector code below.
-//   silu(g)      = g / (1 + e^-g)
-//   gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g / (1 + e^-2z),  z = sqrt(2/pi) (g + 0.044715 g^3)
-// The second form is the same function without the cancellation of 1 + tanh(z) as
-// tanh(z) nears -1 (where torch's form loses most of its digits).
-// The tail's e^x is the vector code's, so a row's last elements get the bits a full vector
-// would give them (std::exp differs from exp512 in the last bit or two).
-#ifdef PAGEDLLM_AVX512
-inline float exp_of(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
-#elif defined(PAGEDLLM_AVX2)
-inline float exp_of(float x) { return _mm256_cvtss_f32(exp256(_mm256_set1_ps(x))); }
-#else
-inline float exp_of(float x) { return std::exp(x); }
-#endif
-constexpr float kGeluK0 = 0.7978845608028654f, kGeluK1 = 0.044715f;  // sqrt(2/pi)
-inline float silu_times(float g, float u) { return (g / (1.0f + exp_of(-g))) * u; }
-inline float gelu_times(float g, float u) {
-  const float minus_2z = -2.0f * (kGeluK0 * (g + kGeluK1 * g * g * g));
-  return (g / (1.0f + exp_of(minus_2z))) * u;
-}
+// (the row loop, gated_rows, is in activation.h: the fused gate_up linears share it)
 
 // x [T, 2I] = [gate | up] -> silu(gate) * up  [T, I]  (gelu_tanh when `gelu` is set)
 Tensor gated_act(const Tensor& x_in, bool gelu, Tensor* out_buffer = nullptr) {
@@ -166,46 +148,8 @@ Tensor gated_act(const Tensor& x_in, bool gelu, Tensor* out_buffer = nullptr) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = xp + r * 2 * inner;
-      const float* up = gate + inner;
-      float* o = op + r * inner;
-      int64_t i = 0;
-#ifdef PAGEDLLM_AVX512
-      // The scalar expressions lane-wise, in the same order (so the tail agrees).
-      const __m512 one = _mm512_set1_ps(1.0f);
-      for (; i + 16 <= inner; i += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + i), u = _mm512_loadu_ps(up + i);
-        __m512 minus;  // the exponent: -g (silu) or -2z (gelu_tanh)
-        if (gelu) {
-          const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(kGeluK1), g), g), g);
-          const __m512 z = _mm512_mul_ps(_mm512_set1_ps(kGeluK0), _mm512_add_ps(g, cube));
-          minus = _mm512_mul_ps(_mm512_set1_ps(-2.0f), z);
-        } else {
-          minus = _mm512_sub_ps(_mm512_setzero_ps(), g);
-        }
-        const __m512 y = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp512(minus))), u);
-        _mm512_storeu_ps(o + i, y);
-      }
-#elif defined(PAGEDLLM_AVX2)
-      // The AVX-512 loop 8 lanes at a time: the same operations, so the same bits.
-      const __m256 one = _mm256_set1_ps(1.0f);
-      for (; i + 8 <= inner; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
-        __m256 minus;
-        if (gelu) {
-          const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(kGeluK1), g), g), g);
-          const __m256 z = _mm256_mul_ps(_mm256_set1_ps(kGeluK0), _mm256_add_ps(g, cube));
-          minus = _mm256_mul_ps(_mm256_set1_ps(-2.0f), z);
-        } else {
-          minus = _mm256_sub_ps(_mm256_setzero_ps(), g);
-        }
-        const __m256 y = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp256(minus))), u);
-        _mm256_storeu_ps(o + i, y);
-      }
-#endif
-      for (; i < inner; ++i) o[i] = gelu ? gelu_times(gate[i], up[i]) : silu_times(gate[i], up[i]);
-    }
+    gated_rows(xp + begin * 2 * inner, xp + begin * 2 * inner + inner, 2 * inner,
+               op + begin * inner, inner, end - begin, inner, gelu);
   });
   return out;
 }
