@@ -186,26 +186,29 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
     // writing its own, so that the misses overlap instead of queueing behind the stores
     // (64 decode rows x 30 layers, Zen 4: 1.69 -> 1.11 ms; a 512-row prompt: 2.22 -> 1.44).
     const int64_t line = 64 / static_cast<int64_t>(sizeof(scalar_t));  // elements per line
+    // Where row i's key and value of KV head h start (row i is not padding).
+    auto key_at = [&](int64_t i, int64_t h) {
+      return kc + (sp[i] / bs * heads + h) * head_stride + sp[i] % bs;
+    };
+    auto value_at = [&](int64_t i, int64_t h) {
+      return vc + (sp[i] / bs * heads + h) * head_stride + sp[i] % bs * d;
+    };
     auto request_lines = [&](int64_t i) {
       if (sp[i] < 0) return;
-      const int64_t block = sp[i] / bs, offset = sp[i] % bs;
       for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* kdst = kc + (block * heads + h) * head_stride + offset;
-        const scalar_t* vdst = vc + (block * heads + h) * head_stride + offset * d;
         for (int64_t x = 0; x < d; x += std::max<int64_t>(1, line / bs))
-          __builtin_prefetch(kdst + x * bs, 1, 3);
-        for (int64_t x = 0; x < d; x += line) __builtin_prefetch(vdst + x, 1, 3);
+          __builtin_prefetch(key_at(i, h) + x * bs, 1, 3);
+        for (int64_t x = 0; x < d; x += line) __builtin_prefetch(value_at(i, h) + x, 1, 3);
       }
     };
     parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
-      if (begin < end) request_lines(begin);
+      request_lines(begin);
       for (int64_t i = begin; i < end; ++i) {
         if (i + 1 < end) request_lines(i + 1);
         if (sp[i] < 0) continue;  // padding
-        const int64_t block = sp[i] / bs, offset = sp[i] % bs;
         for (int64_t h = 0; h < heads; ++h) {
-          scalar_t* kdst = kc + (block * heads + h) * head_stride + offset;
-          scalar_t* vdst = vc + (block * heads + h) * head_stride + offset * d;
+          scalar_t* kdst = key_at(i, h);
+          scalar_t* vdst = value_at(i, h);
           for (int64_t x = 0; x < d; ++x) {
             store(kdst + x * bs, kp[i * ks + h * d + x]);
             store(vdst + x, vp[i * vs + h * d + x]);
