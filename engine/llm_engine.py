@@ -163,9 +163,11 @@ class LLMEngine:
         self.inputs = InputProcessor(config, self.tokenizer, self.info, self.device)
         self.load_time = time.perf_counter() - started
         logger.info(
-            "loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+            "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), "
+            "max_model_len %d",
             self.model_name,
             self.plan.describe(),
+            self.model.stack_status() if hasattr(self.model, "stack_status") else "",
             self.device,
             self.load_time,
             self.num_blocks,

@@ -1,6 +1,6 @@
 """Build (once) and load the C++ CPU kernels of kernels/csrc/ (linear_packed.cpp,
-linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp, thread_pool.cpp, amx.cpp; common.h,
-kernels.h, thread_pool.h, amx.h).
+linear.cpp, linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp, thread_pool.cpp,
+amx.cpp; common.h, kernels.h, linear.h, decoder.h, thread_pool.h, amx.h).
 
 The source ships inside the package and is compiled on first use with the machine's C++
 compiler (`-O3 -march=native`), through torch.utils.cpp_extension and ninja, into the
@@ -34,6 +34,7 @@ _SOURCES = (
     "ops.cpp",
     "linear_bf16.cpp",
     "linear_packed.cpp",
+    "linear.cpp",
     "attention.cpp",
     "decoder.cpp",
     "thread_pool.cpp",

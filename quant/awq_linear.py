@@ -142,6 +142,16 @@ class AWQLinear(nn.Module):
                 if self.bias is not None:
                     self.bias = self.bias.float()
 
+    def kernel_segments(self) -> tuple[list[Any], torch.Tensor | None] | None:
+        """(segments, float32 bias) of the C++ Linear on the packed path, else None."""
+        if self._packed is None:
+            return None
+        return [self._packed], self.bias
+
+    def kernel_linear(self) -> Any:
+        """The C++ Linear the decoder stack runs (the packed path only), or None."""
+        return _kernel_linear_of(self)
+
     def _repack_for_cpu(self) -> None:
         codes = unpack_int4(self.qweight).t().contiguous()  # [N, K]
         self._int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -239,6 +249,38 @@ class MixedStackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def kernel_segments(self) -> tuple[list[Any], torch.Tensor | None] | None:
+        """Every part's segments in order, with one bias (zeros where a part has none)."""
+        segments: list[Any] = []
+        biases: list[torch.Tensor | None] = []
+        for part in self.parts:
+            found = getattr(part, "kernel_segments", lambda: None)()
+            if found is None:
+                return None
+            segments += found[0]
+            biases.append(found[1])
+        if all(b is None for b in biases):
+            return segments, None
+        sizes = [sum(int(w.shape[0]) for w in part.kernel_segments()[0]) for part in self.parts]
+        bias = torch.cat(
+            [b.float() if b is not None else torch.zeros(n) for b, n in zip(biases, sizes)]
+        )
+        return segments, bias
+
+    def kernel_linear(self) -> Any:
+        """The C++ Linear of every part's segments, or None where a part has no C++ form."""
+        return _kernel_linear_of(self)
+
+
+def _kernel_linear_of(module: nn.Module) -> Any:
+    found = module.kernel_segments()  # type: ignore[operator]
+    if found is None:
+        return None
+    from .packed_linear import build_kernel_linear
+
+    segments, bias = found
+    return build_kernel_linear(int(segments[0].shape[1]), segments, bias)
 
 
 def checkpoint_tensor_names(folder: Path) -> set[str]:

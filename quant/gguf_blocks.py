@@ -4,6 +4,10 @@ Every row of a GGUF weight [N, K] is a run of blocks along K. Each type maps ont
 packed format with the values llama.cpp dequantizes it to (see quant/packed.py):
 
     type   block  bytes  per group                          -> format
+    Q2_K    256     84   16 x 16: w = d*sc_j * q - dmin*m_j   I8 g16, scale d*sc_j, min -dmin*m_j
+                         (q 0..3, sc_j, m_j 4-bit)
+    Q3_K    256    110   16 x 16: w = d*(sc_j - 32) * q       I8 g16, scale d*(sc_j - 32)
+                         (q -4..3, sc_j 6-bit)
     Q4_0     32     18   w = d * (q - 8),  q 0..15            U4, scale d, min -8d
     Q4_1     32     20   w = d * q + m                        U4, scale d, min m
     Q4_K    256    144   8 x 32: w = d*sc_j * q - dmin*m_j    U4, scale d*sc_j, min -dmin*m_j
@@ -13,9 +17,11 @@ packed format with the values llama.cpp dequantizes it to (see quant/packed.py):
     Q6_K    256    210   16 x 16: w = d*sc_j * (q - 32)       I8 g16, scale d*sc_j
     Q8_0     32     34   w = d * q, q int8                    I8 g32, scale d
 
-d, m, dmin are fp16; sc_j, m_j are 6-bit integers (K-quants) or int8 (Q6_K): every scale
-and min is exact in float32. Other types (Q2_K, Q3_K, the IQ types) are dequantized once
-to bf16 by the caller (`dequantize_to`).
+d, m, dmin are fp16; sc_j, m_j are 4- or 6-bit integers (K-quants) or int8 (Q6_K): every
+scale and min is exact in float32. These are every type llama-quantize writes for its Q2_K
+to Q8_0 mixes (with their fallbacks for rows that are not whole 256-blocks). Other types
+(F16, the IQ and ternary types) are dequantized once to bf16 by the caller
+(`dequantize_to`).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import torch
 from .packed import U4_GROUP, PackedWeight, pack_u4
 
 QK_K = 256
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+PACKED_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 _BLOCK = {  # type -> (elements per block, bytes per block)
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
     "Q4_0": (32, 18),
     "Q4_1": (32, 20),
     "Q4_K": (256, 144),
@@ -150,6 +158,35 @@ def _q6_k(b: np.ndarray):
     return q, d[:, None] * sc, None, 16
 
 
+def _two_bit_values(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K: 64 bytes -> 256 two-bit values: byte 32i + l holds value 128i + 32s + l
+    in bits 2s, 2s + 1 (s = 0..3)."""
+    shifted = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return (shifted & 0x03).reshape(-1, QK_K)
+
+
+def _q2_k(b: np.ndarray):
+    scales = b[:, 0:16]  # sub-block j: scale in the low nibble, min in the high one
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    sc, mn = (scales & 0x0F).astype(np.float32), (scales >> 4).astype(np.float32)
+    return _two_bit_values(b[:, 16:80]), d[:, None] * sc, -(dmin[:, None] * mn), 16
+
+
+def _q3_k(b: np.ndarray):
+    hmask, scales, d = b[:, 0:32], b[:, 96:108], _f16(b[:, 108:110])
+    # 16 six-bit scales: low nibbles from bytes 0-7 (byte i holds scales i and 8 + i), the
+    # top two bits from bytes 8-11 (byte 8 + i holds scales i, 4 + i, 8 + i, 12 + i).
+    low = scales[:, 0:8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    top = scales[:, 8:12].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+        1, 4, 1
+    )
+    sc = ((low.reshape(-1, 16) & 0x0F) | ((top.reshape(-1, 16) & 0x03) << 4)).astype(np.int16)
+    # Bit b of hmask[l] is the high bit of value 32b + l; a clear bit subtracts 4.
+    high = hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = _two_bit_values(b[:, 32:96]).astype(np.int16) - 4 * (1 - (high & 1).reshape(-1, QK_K))
+    return q, d[:, None] * (sc - 32).astype(np.float32), None, 16
+
+
 def _q8_0(b: np.ndarray):
     d = _f16(b[:, 0:2])
     q = np.ascontiguousarray(b[:, 2:34]).view(np.int8)
@@ -157,6 +194,8 @@ def _q8_0(b: np.ndarray):
 
 
 _DECODERS = {
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
     "Q4_K": _q4_k,

@@ -13,6 +13,8 @@ shares its step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -57,7 +59,13 @@ def to_fast_weight(value: torch.Tensor | GGUFTensor) -> PackedWeight | torch.Ten
 
 class PackedStackedLinear(nn.Module):
     """y = x W^T + b with W the stack of several checkpoint linears (q, k, v -> qkv), held
-    packed (or bf16) and run by the C++ kernels. Same loading interface as StackedLinear."""
+    packed (or bf16) and run by the C++ kernels. Same loading interface as StackedLinear.
+
+    Once every shard is in, consecutive shards of one format are stacked into one weight
+    and shards of different formats (a Q4_K q and k beside a Q6_K v, as llama-quantize's
+    Q4_K_M writes half of a model's layers) stay segments of their own: `kernel` is the
+    C++ Linear over those segments (kernels/csrc/linear.h), whose every output column is
+    the bits its own shard's linear would give."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
         super().__init__()
@@ -65,7 +73,8 @@ class PackedStackedLinear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.out_features = sum(output_sizes)
         self.shards: list[PackedWeight | torch.Tensor | None] = [None] * len(output_sizes)
-        self.weight: KernelWeight | None = None  # the stack, tiled for the kernels, once complete
+        self.segments: list[KernelWeight] = []  # in output-row order, once complete
+        self.kernel: Any = None  # torch.classes.pagedllm.Linear over the segments
         self.bias = torch.zeros(self.out_features) if bias else None
         self._offsets = [0]
         for size in output_sizes:
@@ -77,7 +86,7 @@ class PackedStackedLinear(nn.Module):
             dense = tensor.dense() if isinstance(tensor, GGUFTensor) else tensor
             if tuple(dense.shape) != (end - start,):
                 raise ValueError(f"bias shard {shard}: shape {tuple(dense.shape)}")
-            self.bias[start:end] = dense.float()
+            self.bias[start:end] = dense.float()  # in place: the kernel holds this tensor
             return
         if suffix != "weight":
             raise ValueError(f"unexpected checkpoint tensor '{suffix}' for a linear layer")
@@ -88,50 +97,88 @@ class PackedStackedLinear(nn.Module):
             )
         self.shards[shard] = to_fast_weight(tensor)
         if all(s is not None for s in self.shards):
-            self.weight = kernel_weight(_stack([s for s in self.shards if s is not None]))
+            complete = [s for s in self.shards if s is not None]
+            self.segments = [kernel_weight(w) for w in stack_by_format(complete)]
+            self.kernel = build_kernel_linear(self.in_features, self.segments, self.bias)
             self.shards = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] float32 -> [T, N] float32."""
-        assert self.weight is not None, "linear layer used before its weights were loaded"
-        out = packed_matmul(x, self.weight)
-        return out if self.bias is None else out + self.bias
+        assert self.kernel is not None, "linear layer used before its weights were loaded"
+        return torch.ops.pagedllm.linear(self.kernel, x)
+
+    def kernel_linear(self) -> Any:
+        """The C++ Linear the decoder stack runs (fused_stack.py)."""
+        return self.kernel
+
+    def kernel_segments(self) -> tuple[list[KernelWeight], torch.Tensor | None] | None:
+        """(segments, bias) once loaded: what a stack of mixed linears (AWQ) combines."""
+        return (self.segments, self.bias) if self.kernel is not None else None
 
     def weight_bytes(self) -> int:
-        w = self.weight
-        if isinstance(w, TiledWeight):
-            return w.nbytes
-        return 0 if w is None else w.numel() * w.element_size()
+        return sum(_kernel_weight_bytes(w) for w in self.segments)
 
 
-def _stack(parts: list[PackedWeight | torch.Tensor]) -> PackedWeight | torch.Tensor:
-    """One weight for a stack of shards. Shards of one packed format are concatenated;
-    mixed shards (a Q4_K q next to a Q6_K v, as llama.cpp's Q4_K_M files have) become one
-    I8 weight (U4 values are exact in I8) or, with a dense shard among them, bf16."""
-    if len(parts) == 1:
-        return parts[0]
-    if all(isinstance(p, PackedWeight) for p in parts):
-        packed = [p for p in parts if isinstance(p, PackedWeight)]
-        if len({(p.kind, p.group) for p in packed}) == 1:
-            return cat_rows(packed)
-        group = min(p.group for p in packed)
-        return cat_rows([_as_i8(p, group) for p in packed])
-    return torch.cat(
-        [p.dequantize(torch.bfloat16) if isinstance(p, PackedWeight) else p for p in parts]
-    )
+def _kernel_weight_bytes(weight: KernelWeight) -> int:
+    if isinstance(weight, TiledWeight):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
 
 
-def _as_i8(weight: PackedWeight, group: int) -> PackedWeight:
-    """The same values in the I8 format with groups of `group` (which divides the weight's)."""
-    from .packed import unpack_u4
+def _format_of(weight: PackedWeight | torch.Tensor) -> tuple:
+    """Weights with equal keys stack into one (cat_rows): kind, group and whether mins."""
+    if isinstance(weight, PackedWeight):
+        return (weight.kind, weight.group, weight.mins is None)
+    return ("bf16",)
 
-    if weight.kind == "i8" and weight.group == group:
-        return weight
-    q = unpack_u4(weight.qweight).to(torch.int8) if weight.kind == "u4" else weight.qweight
-    repeat = weight.group // group
-    scales = weight.scales.repeat_interleave(repeat, dim=1)
-    mins = None if weight.mins is None else weight.mins.repeat_interleave(repeat, dim=1)
-    return PackedWeight("i8", q, scales, mins, group, weight.shape)
+
+def stack_by_format(parts: list[PackedWeight | torch.Tensor]) -> list[PackedWeight | torch.Tensor]:
+    """Shards in output order -> segments: each run of consecutive shards of one format
+    stacked into one weight (q, k, v in Q4_K: one u4 weight; q, k in Q4_K and v in Q6_K: a
+    u4 weight and an i8 one). Values are kept exactly: nothing is converted between formats,
+    which would cost bytes (a Q4_K weight held as I8 reads 12 bits per value, not 6)."""
+    runs: list[list[PackedWeight | torch.Tensor]] = []
+    for part in parts:
+        if runs and _format_of(runs[-1][0]) == _format_of(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    segments: list[PackedWeight | torch.Tensor] = []
+    for run in runs:
+        if len(run) == 1:
+            segments.append(run[0])
+        elif isinstance(run[0], PackedWeight):
+            segments.append(cat_rows([p for p in run if isinstance(p, PackedWeight)]))
+        else:
+            segments.append(torch.cat([p for p in run if isinstance(p, torch.Tensor)]))
+    return segments
+
+
+def build_kernel_linear(
+    in_features: int, segments: list[KernelWeight], bias: torch.Tensor | None
+) -> Any:
+    """A torch.classes.pagedllm.Linear over `segments` (output rows in order) and a float32
+    bias [N] (held by reference: later in-place writes to it count)."""
+    linear = torch.classes.pagedllm.Linear(in_features)
+    for weight in segments:
+        if isinstance(weight, TiledWeight):
+            mins = weight.mins if weight.mins is not None else _EMPTY
+            linear.add_tiled(
+                weight.kind == "u4",
+                weight.group,
+                weight.shape[0],
+                weight.tiles,
+                weight.scales,
+                mins,
+            )
+        else:
+            linear.add_bf16(weight)
+    if bias is not None:
+        linear.set_bias(bias)
+    return linear
+
+
+_EMPTY = torch.empty(0)
 
 
 def packed_linear(

@@ -63,9 +63,9 @@ def test_gguf_weights_stay_packed(default_llm):
 
     model = default_llm.engine.engine.model
     linears = [m for m in model.modules() if isinstance(m, PackedStackedLinear)]
-    assert linears and all(isinstance(m.weight, TiledWeight) for m in linears)
-    assert {m.weight.kind for m in linears} == {"u4"}
-    assert all(m.weight.scales.dtype == torch.float16 for m in linears)  # exact for Q4_1
+    assert linears and all(isinstance(w, TiledWeight) for m in linears for w in m.segments)
+    assert {w.kind for m in linears for w in m.segments} == {"u4"}
+    assert all(w.scales.dtype == torch.float16 for m in linears for w in m.segments)  # Q4_1
     table = model.embed_tokens.fast_weight
     assert isinstance(table, TiledWeight) and table.kind == "i8"  # Q8_0, tied to the head
     held = sum(m.weight_bytes() for m in linears) + table.nbytes
@@ -115,7 +115,7 @@ def test_dense_checkpoint_runs_in_bf16_close_to_float32(tiny_llama_dir):
         linear = next(
             m for m in fast.engine.engine.model.modules() if isinstance(m, PackedStackedLinear)
         )
-        assert linear.weight.dtype == torch.bfloat16
+        assert [w.dtype for w in linear.segments] == [torch.bfloat16]
         got = tokens(fast.generate(PROMPTS, GREEDY, use_tqdm=False))
     with LLM(str(tiny_llama_dir), dtype="float32", disable_log_stats=True) as reference:
         want = tokens(reference.generate(PROMPTS, GREEDY, use_tqdm=False))

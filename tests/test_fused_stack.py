@@ -1,9 +1,10 @@
 """The decoder layers as one C++ call (engine/models/fused_stack.py) against the module path.
 
 The fused stack runs the same kernels in the same order, so every token and every
-log-probability must be equal, bit for bit: on the default GGUF (packed weights), and on
-dense Llama, Qwen2 (biases) and Mistral (sliding window) checkpoints held in bf16, with
-prompts and decodes mixed in one step. Families it does not implement keep the modules.
+log-probability must be equal, bit for bit: on the default GGUF (packed weights), on dense
+Llama, Qwen2 (biases) and Mistral (sliding window) checkpoints held in bf16, and on every
+other family's, with prompts and decodes mixed in one step. What it does not run (MoE
+blocks) keeps the modules, and the engine's load line says why.
 """
 
 from __future__ import annotations
@@ -83,10 +84,45 @@ def test_dense_checkpoints_match_bit_for_bit(architecture, extra, tiny_llama_fac
         assert outputs(llm, False) == fused
 
 
-def test_other_families_keep_the_module_path(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3", "phi3", "phi4_mini"])
+def test_every_family_runs_the_stack_with_the_module_paths_bits(kind, tmp_path):
+    """Qwen3's q/k norms, Gemma's sandwich (1 + w) norms, GeGLU, soft-caps, sliding layers
+    and Gemma 3's local rotary tables, Phi-3's fused checkpoint linears and Phi-4-mini's
+    partial longrope rotary: all in the stack, each token and log-probability the module
+    path's."""
     from family_checkpoints import make_family_checkpoint
 
-    folder = make_family_checkpoint(tmp_path / "qwen3", "qwen3")  # q/k norms
-    with LLM(str(folder), disable_log_stats=True, max_model_len=128) as llm:
+    folder = make_family_checkpoint(tmp_path / kind, kind)
+    prompts = PROMPTS[:2] if kind == "phi4_mini" else PROMPTS  # a 32-token context there
+    max_model_len = 32 if kind == "phi4_mini" else 128
+    with LLM(str(folder), disable_log_stats=True, max_model_len=max_model_len) as llm:
+        model = llm.engine.engine.model
+        assert model.fused_stack() is not None, model.stack_status()
+        assert model.stack_status() == "decoder layers as one C++ stack"
+
+        def run(fused: bool) -> list:
+            model.use_fused_stack = fused
+            llm.engine.reset_prefix_cache()
+            params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+            results = llm.generate(prompts, params, use_tqdm=False)
+            return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+        fused = run(True)
+        assert run(False) == fused
+
+
+def test_a_model_the_stack_cannot_run_says_why(tmp_path, caplog):
+    """Qwen3-MoE's expert blocks keep the module path, and the load line says so."""
+    import logging
+
+    from family_checkpoints import make_family_checkpoint
+
+    folder = make_family_checkpoint(tmp_path / "moe", "qwen3_moe")
+    with caplog.at_level(logging.INFO, logger="pagedllm_integrations.engine.llm_engine"):
+        llm = LLM(str(folder), disable_log_stats=True, max_model_len=128)
+    with llm:
         assert llm.engine.engine.model.fused_stack() is None
+        status = llm.engine.engine.model.stack_status()
+        assert "the C++ stack does not run layer 0: a SparseMoE MLP" in status
+        assert status in caplog.text
         assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids

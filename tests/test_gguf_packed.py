@@ -86,9 +86,15 @@ def test_every_packed_gguf_type_is_exact(tmp_path, type_name):
 def test_types_without_a_packed_form_are_dequantized_once_to_bf16(tmp_path):
     from pagedllm_integrations.quant.packed_linear import to_fast_weight
 
-    data = _blocks("Q3_K", np.random.default_rng(7))
-    value = _write_and_read(tmp_path, "Q3_K", data)
+    # IQ4_NL (llama-quantize's fallback for IQ4_XS rows): 32 values per 18-byte block, an
+    # fp16 scale first, then 16 bytes of indices into a fixed table of 16 levels.
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, (ROWS * COLS // 32, 18), dtype=np.uint8)
+    scales = (rng.random(data.shape[0]) * 0.02 + 1e-3).astype(np.float16)
+    data[:, 0:2] = scales.view(np.uint8).reshape(-1, 2)
+    data = data.reshape(ROWS, -1)
+    value = _write_and_read(tmp_path, "IQ4_NL", data)
     dense = to_fast_weight(value)
-    reference = dequantize(data, gguf.GGMLQuantizationType.Q3_K).reshape(ROWS, COLS)
+    reference = dequantize(data, gguf.GGMLQuantizationType.IQ4_NL).reshape(ROWS, COLS)
     assert isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
     assert torch.equal(dense, torch.from_numpy(reference).to(torch.bfloat16))

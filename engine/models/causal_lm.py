@@ -193,15 +193,28 @@ class CausalLM(nn.Module):
     use_fused_stack = True  # False: run the layers module by module (the reference)
 
     def fused_stack(self) -> Any:
-        """The decoder layers as one C++ call, or None where they are not the plain
-        Llama-family layers (or the fast path is off): see fused_stack.py."""
+        """The decoder layers as one C++ call, or None where the fast path is off or the
+        layers hold something the stack does not run (`stack_status` says what)."""
         if not (self.fused_cpu and self.use_fused_stack):
             return None
         if self._stack is None:
             from .fused_stack import build_fused_stack
 
-            self._stack = build_fused_stack(self) or False
+            stack, self._stack_missing = build_fused_stack(self)
+            self._stack = stack or False
         return self._stack or None
+
+    _stack_missing = ""
+
+    def stack_status(self) -> str:
+        """How the decoder layers run, for the engine's load line (call once loaded)."""
+        if not self.fused_cpu:
+            return "decoder layers as modules"
+        if self.fused_stack() is not None:
+            return "decoder layers as one C++ stack"
+        if not self.use_fused_stack:
+            return "decoder layers as modules (asked for)"
+        return f"decoder layers as modules: the C++ stack does not run {self._stack_missing}"
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

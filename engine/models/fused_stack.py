@@ -1,41 +1,54 @@
-"""The decoder layers of a Llama-family model as one C++ call on the CPU fast path.
+"""The decoder layers of a model as one C++ call on the CPU fast path.
 
 A one-row decode step runs ~300 small kernels through ~10 Python modules per layer; on a
 135M model that Python is ~2 ms of a ~10 ms step, time in which the kernels' threads wait.
 `decoder_stack` (kernels/csrc/decoder.cpp) runs the same kernels in the same order from C++,
 so its outputs are the module path's bit for bit (tests/test_fused_stack.py checks it).
 
-It applies to models built exactly from the shared layers: `DecoderLayer` with `Attention`
-(no q/k norms, no soft-cap, one rotary table turning whole heads) and a SiLU `GatedMLP`,
-plain RMSNorms, and packed or bf16 `PackedStackedLinear`s. Anything else (Gemma's
-sandwich norms, Qwen3's q/k norms, Phi-4-mini's partial rotary, MoE, AWQ linears) keeps the
-module path, which stays the reference.
+The C++ side is a registered class, `torch.classes.pagedllm.DecoderStack`, built here once
+from the loaded modules: the model's shape and options, its rotary tables, and per layer its
+named norms and its four linears as C++ `Linear`s (kernels/csrc/linear.h). What it covers
+is `STACK_CAPABILITIES`; a model with anything else (an MoE block, an MLP that is not gated,
+a linear without a C++ form) keeps the module path, which stays the reference, and
+`build_fused_stack` says why.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...quant.packed import TiledWeight
 from ..attention_metadata import AttentionMetadata
 
-_EMPTY = torch.empty(0)
-_KINDS = {"bf16": 0, "u4": 1, "i8": 2}
+# What the whole-step C++ stack runs, by the feature's name in the capability table
+# (engine/models/backend.py).
+STACK_CAPABILITIES = frozenset(
+    {
+        "gated_mlp",  # SwiGLU or GeGLU
+        "qk_norm",  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
+        "sandwich_norms",  # post-attention and pre/post-feedforward norms (Gemma 2/3)
+        "unit_offset_norm",  # (1 + w) norms (Gemma)
+        "logit_soft_cap",  # cap * tanh(score / cap) in attention (Gemma 2)
+        "sliding_window",  # per layer (Mistral, Gemma, Qwen2/3 with windows)
+        "per_layer_rotary",  # Gemma 3's local layers with their own rope base
+        "partial_rotary",  # rotary over a share of each head (Phi-4-mini)
+        "rope_scaling",  # linear, dynamic, llama3, longrope: all in the tables
+        "qkv_bias",  # Qwen2
+        "fused_checkpoint_linears",  # Phi-3's qkv_proj / gate_up_proj, split as they load
+        "mixed_format_linears",  # shards of one linear in different GGUF types (Q4_K_M)
+        "awq",  # AWQ linears, held in the packed u4 format
+    }
+)
 
 
 class FusedDecoderStack:
-    """Flat arguments of `torch.ops.pagedllm.decoder_stack` for one model, gathered once."""
+    """A model's decoder layers as one `torch.ops.pagedllm.decoder_stack` call."""
 
-    def __init__(self, params: list[torch.Tensor], ints: list[int], rotary: Any, config: Any):
-        self.params = params
-        self.ints = ints
-        self.cos, self.sin = rotary
-        self.scale = float(config["scale"])
-        self.eps = float(config["eps"])
-        self.heads, self.kv_heads, self.head_dim = config["shape"]
+    def __init__(self, stack: Any):
+        self.stack = stack  # torch.classes.pagedllm.DecoderStack
 
     def __call__(
         self,
@@ -48,80 +61,114 @@ class FusedDecoderStack:
         kv = [cache for pair in kv_caches for cache in pair]
         seq_ids = torch.arange(meta.seq_lens.shape[0])
         return torch.ops.pagedllm.decoder_stack(
-            x, positions, self.params, self.ints, kv, self.cos, self.sin, meta.slot_mapping,
-            seq_ids, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale, self.eps,
-            self.heads, self.kv_heads, self.head_dim,
+            self.stack, x, positions, kv, meta.slot_mapping, seq_ids, meta.cu_seqlens_q,
+            meta.seq_lens, meta.block_tables,
         )  # fmt: skip
 
 
-def build_fused_stack(model: nn.Module) -> FusedDecoderStack | None:
-    """The fused stack of a loaded model, or None when its layers are not all the plain
-    Llama-family layers the C++ stack implements (see the module docstring)."""
-    from ...quant.packed_linear import PackedStackedLinear
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    """What every layer of one stack shares (decoder.cpp's DecoderStack arguments)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    eps: float
+    soft_cap: float
+    gelu: bool
+
+
+def build_fused_stack(model: nn.Module) -> tuple[FusedDecoderStack | None, str]:
+    """(the fused stack of a loaded model, "") or (None, why its layers cannot be one)."""
+    layers = list(model.layers)
+    if not layers:
+        return None, "the model has no decoder layers"
+    shape: StackShape | None = None
+    described: list[tuple[dict[str, torch.Tensor], list[Any], int, Any]] = []
+    for index, layer in enumerate(layers):
+        parts = _layer_parts(layer)
+        if isinstance(parts, str):
+            return None, f"layer {index}: {parts}"
+        layer_shape, norms, linears, window, rotary = parts
+        if shape is None:
+            shape = layer_shape
+        elif layer_shape != shape:
+            return None, f"layer {index} differs from layer 0 in {_difference(shape, layer_shape)}"
+        described.append((norms, linears, window, rotary))
+    assert shape is not None
+    stack = torch.classes.pagedllm.DecoderStack(
+        shape.heads, shape.kv_heads, shape.head_dim, shape.scale, shape.eps, shape.soft_cap,
+        shape.gelu,
+    )  # fmt: skip
+    tables: dict[int, int] = {}  # id(rotary module) -> index of its tables in the stack
+    for norms, linears, window, rotary in described:
+        if id(rotary) not in tables:
+            cos, sin = rotary.half_tables()
+            tables[id(rotary)] = stack.add_rotary(cos, sin)
+        stack.add_layer(norms, *linears, window, tables[id(rotary)])
+    return FusedDecoderStack(stack), ""
+
+
+def _layer_parts(layer: nn.Module) -> Any:
+    """(shape, norms, [qkv, o, gate_up, down], sliding window, rotary) of a decoder layer,
+    or a string saying what the stack cannot run."""
     from .attention import Attention
     from .causal_lm import DecoderLayer
+    from .gemma import GemmaDecoderLayer
     from .layers import GatedMLP, RMSNorm
 
-    layers = list(model.layers)
-    if not layers or type(layers[0]) is not DecoderLayer:
-        return None
-    first = layers[0].self_attn
-    rotary = first.rotary
-    params: list[torch.Tensor] = []
-    ints: list[int] = []
-    eps = layers[0].input_layernorm.eps
-    for layer in layers:
-        if type(layer) is not DecoderLayer:
-            return None
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not (
-            type(attn) is Attention
-            and type(mlp) is GatedMLP
-            and mlp.fused
-            and not mlp.gelu
-            and attn.q_norm is None
-            and not attn.logits_soft_cap
-            and attn.rotary is rotary
-            and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
-            == (first.num_heads, first.num_kv_heads, first.head_dim, first.scale)
-            and all(
-                type(n) is RMSNorm and n.fused and not n.unit_offset and n.eps == eps for n in norms
-            )
-        ):
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(type(lin) is PackedStackedLinear for lin in linears):
-            return None
-        params += [norms[0].weight, norms[1].weight]
-        for linear in linears:
-            entry = _linear_entry(linear)
-            if entry is None:
-                return None
-            tensors, numbers = entry
-            params += tensors
-            ints += numbers
-        ints.append(attn.sliding_window or 0)
-    if not (rotary.fused and rotary.rotary_dim == rotary.head_dim):
-        return None
-    half = rotary.cos.shape[1] // 2
-    tables = (rotary.cos[:, :half].float().contiguous(), rotary.sin[:, :half].float().contiguous())
-    config = {
-        "scale": first.scale,
-        "eps": eps,
-        "shape": (first.num_heads, first.num_kv_heads, first.head_dim),
-    }
-    return FusedDecoderStack(params, ints, tables, config)
+    if type(layer) not in (DecoderLayer, GemmaDecoderLayer):
+        return f"a {type(layer).__name__} block"
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention:
+        return f"a {type(attn).__name__} attention"
+    if type(mlp) is not GatedMLP:
+        return f"a {type(mlp).__name__} MLP (the stack runs gated MLPs, not MoE blocks)"
+    names = ["input_layernorm", "post_attention_layernorm"]
+    if isinstance(layer, GemmaDecoderLayer):
+        names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    modules = {name: getattr(layer, name) for name in names}
+    if attn.q_norm is not None and attn.k_norm is not None:
+        modules.update(q=attn.q_norm, k=attn.k_norm)
+    eps = {m.eps for m in modules.values() if isinstance(m, RMSNorm)}
+    if len(eps) != 1 or not all(type(m) is RMSNorm and m.fused for m in modules.values()):
+        return "norms that are not fused RMSNorms of one eps"
+    norms = {_NORM_NAMES.get(name, name): _norm_scale(m) for name, m in modules.items()}
+    linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    kernels = [getattr(linear, "kernel_linear", lambda: None)() for linear in linears]
+    if any(kernel is None for kernel in kernels):
+        missing = next(lin for lin, k in zip(linears, kernels) if k is None)
+        return f"a {type(missing).__name__} linear without a C++ form"
+    if not (mlp.fused and attn.rotary.fused):
+        return "an activation or rotary not on the C++ kernels"
+    shape = StackShape(
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        float(attn.scale),
+        float(eps.pop()),
+        float(attn.logits_soft_cap or 0.0),
+        bool(mlp.gelu),
+    )
+    return shape, norms, kernels, int(attn.sliding_window or 0), attn.rotary
 
 
-def _linear_entry(linear: Any) -> tuple[list[torch.Tensor], list[int]] | None:
-    """(a, b, c, bias) and (kind, group, N) of a PackedStackedLinear (decoder.cpp's layout)."""
-    weight = linear.weight
-    bias = linear.bias if linear.bias is not None else _EMPTY
-    if isinstance(weight, TiledWeight):
-        mins = weight.mins if weight.mins is not None else _EMPTY
-        numbers = [_KINDS[weight.kind], weight.group, weight.shape[0]]
-        return [weight.tiles, weight.scales, mins, bias], numbers
-    if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
-        return [weight, _EMPTY, _EMPTY, bias], [_KINDS["bf16"], 0, weight.shape[0]]
-    return None
+# Module attribute -> the stack's norm name (decoder.cpp's add_layer).
+_NORM_NAMES = {
+    "input_layernorm": "input",
+    "post_attention_layernorm": "post_attention",
+    "pre_feedforward_layernorm": "pre_feedforward",
+    "post_feedforward_layernorm": "post_feedforward",
+}
+
+
+def _norm_scale(norm: nn.Module) -> torch.Tensor:
+    """What the fused norm kernel multiplies by (w, or Gemma's 1 + w), float32 contiguous,
+    computed as the module path computes it."""
+    return norm._scale().float().contiguous()
+
+
+def _difference(a: StackShape, b: StackShape) -> str:
+    fields = [f for f in StackShape.__slots__ if getattr(a, f) != getattr(b, f)]  # type: ignore[attr-defined]
+    return ", ".join(fields)

@@ -338,10 +338,8 @@ class LMHead(nn.Module):
 
 
 def enable_fused_cpu_kernels(model: nn.Module) -> None:
-    """Switch a model's norms, rotary embeddings and gated activations to the C++ kernels
-    (the CPU fast path). The rotary kernel turns whole heads: a partial rotary (Phi-4-mini)
-    stays in torch."""
+    """Switch a model's norms, rotary embeddings (whole heads or a share of each) and gated
+    activations to the C++ kernels (the CPU fast path)."""
     for module in model.modules():
-        whole_heads = isinstance(module, RotaryEmbedding) and module.rotary_dim == module.head_dim
-        if whole_heads or isinstance(module, RMSNorm | GatedMLP):
+        if isinstance(module, RotaryEmbedding | RMSNorm | GatedMLP):
             module.fused = True

@@ -1,6 +1,5 @@
 """Rotary position embeddings: default, linear, dynamic (NTK), llama3 and longrope
-scaling; full or partial (a share of each head); the CPU fast path's fused kernel for
-whole heads.
+scaling; full or partial (a share of each head); the CPU fast path's fused kernel.
 
 The numerics follow Hugging Face transformers (inverse frequencies in float32, cos/sin cast
 to the activation dtype) so that greedy outputs match it token for token.
@@ -134,18 +133,23 @@ class RotaryEmbedding(nn.Module):
 
     fused = False  # set per instance by enable_fused_cpu_kernels
 
+    def half_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, rotary_dim / 2] float32, what the fused kernel reads (the two halves
+        of each cached row are equal); the first rotary_dim features of a head turn."""
+        if self._half_tables is None:
+            half = self.rotary_dim // 2
+            self._half_tables = (
+                self.cos[:, :half].float().contiguous(),
+                self.sin[:, :half].float().contiguous(),
+            )
+        return self._half_tables
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k (in place when fused)."""
         if self.fused:
-            half = self.cos.shape[1] // 2
-            if self._half_tables is None:
-                self._half_tables = (
-                    self.cos[:, :half].float().contiguous(),
-                    self.sin[:, :half].float().contiguous(),
-                )
-            _fused_ops().rotary_neox_(q, k, positions, *self._half_tables)
+            _fused_ops().rotary_neox_(q, k, positions, *self.half_tables())
             return q, k
         if positions is not self._positions or self._cos_sin is None:
             self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))

@@ -1,80 +1,45 @@
-// A whole decoder stack of the Llama family (Llama, Mistral, Qwen2, SmolLM2) in one call:
-// the CPU fast path's kernels, composed here instead of from Python. The arithmetic is
-// the module path's exactly (the same kernel functions, the same order, the same inputs):
-// it only removes the Python between them (about 2 ms per forward for 30 layers, most of
-// a one-row decode step's host time).
+// A whole decoder stack in one call: the CPU fast path's kernels, composed here instead of
+// from Python. The arithmetic is the module path's exactly (the same kernel functions, the
+// same order, the same inputs): it only removes the Python between them (about 2 ms per
+// forward for 30 layers, most of a one-row decode step's host time).
 //
-// Per layer, as engine/models/causal_lm.py's DecoderLayer with Attention and GatedMLP:
+// The stack is a registered class (torch.classes.pagedllm.DecoderStack) built once from
+// the loaded model (engine/models/fused_stack.py): the model's shape and options, its
+// rotary tables, and per layer its named norms and four Linears (linear.h). Per layer, as
+// engine/models/causal_lm.py's DecoderLayer and gemma.py's GemmaDecoderLayer compute it:
 //
 //   h        = rms_norm(x) (first layer; residual = x)  |  add_rms_norm(x, residual)
-//   qkv      = linear(h)                    [T, (Hq + 2 Hkv) D]; q, k, v are views of it
-//   rotary_neox_(q, k)                      in place
-//   write_kv_cache_(k, v)                   into this layer's blocks
-//   attn     = paged_attention_rows_(q)     [T, Hq, D]
-//   h        = add_rms_norm(linear(attn), residual)
-//   x        = linear(gated_act(linear(h)))       (gate_up, then down; a tiled gate_up
-//                                                  runs fused with the activation)
+//   qkv      = qkv(h)                         [T, (Hq + 2 Hkv) D]; q, k, v are views of it
+//   q, k     = rms_norm over each head        (norms "q" and "k": Qwen3, Gemma 3)
+//   rotary_neox_(q, k)                        in place, this layer's table (Gemma 3's local
+//                                             layers have their own); the first 2 * width
+//                                             features of each head (partial: Phi-4-mini)
+//   write_kv_cache_(k, v)                     into this layer's blocks
+//   attn     = paged_attention_rows_(q)       [T, Hq, D], this layer's sliding window, the
+//                                             stack's logit soft-cap (Gemma 2)
+//   plain:    h = add_rms_norm(o(attn), residual)            "post_attention"
+//             x = down(act(gate_up(h)))
+//   sandwich: h = add_rms_norm(rms_norm(o(attn)), residual)  "post_attention", then
+//                                                            "pre_feedforward"
+//             x = rms_norm(down(act(gate_up(h))))            "post_feedforward"  (Gemma)
 //
-// Returns (x, residual) of the last layer: the caller applies the final norm. x_in is
-// not modified. The intermediates (h, qkv, attn, ...) live in the calling thread's step
-// workspace, reused by every layer and step (layer_buffers), not in tensors allocated per
-// op.
+// act is silu or gelu_tanh; a tiled gate_up runs fused with it (Linear::gated). Returns
+// (x, residual) of the last layer: the caller applies the final norm. x_in is not
+// modified. The intermediates live in the calling thread's step workspace, reused by every
+// layer and step (layer_buffers), not in tensors allocated per op.
 //
-// Arguments (L layers):
-//   x [T, H] float32; positions [T] int64
-//   params: per layer 18 tensors: input norm weight, post-attention norm weight, then for
-//     each linear (qkv, o, gate_up, down) its (a, b, c, bias): a bf16 weight [N, K] with b,
-//     c empty, or a tiled weight's (tiles, scales, mins); bias [N] float32 or empty
-//   ints: per layer 13: for each linear (kind: 0 bf16, 1 u4, 2 i8; group; N), then the
-//     layer's sliding window (0: none)
-//   kv: per layer (k_cache, v_cache) in the fast path's layout (attention.cpp)
-//   cos, sin [P, D/2] float32; the step's slot_mapping, seq_ids, cu_seqlens_q, seq_lens,
-//   block_tables (engine/attention_metadata.py)
+// forward's arguments: x [T, H] float32; positions [T] int64; kv: per layer (k_cache,
+// v_cache) in the fast path's layout (attention.cpp); the step's slot_mapping, seq_ids,
+// cu_seqlens_q, seq_lens, block_tables (engine/attention_metadata.py).
 
-#include "kernels.h"
+#include "decoder.h"
+
+#include <string>
+
+#include "linear.h"
 
 namespace pagedllm {
 namespace {
-
-constexpr int64_t kTensorsPerLayer = 18;
-constexpr int64_t kIntsPerLayer = 13;
-enum LinearKind : int64_t { kBf16 = 0, kU4 = 1, kI8 = 2 };
-
-// Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a layer, applied to x [T, K] -> [T, N],
-// written into `out` ([T, N]) when given.
-Tensor linear(const Tensor* tensors, const int64_t* ints, int64_t j, const Tensor& x,
-              Tensor* out = nullptr) {
-  const Tensor* t = tensors + 2 + 4 * j;
-  const int64_t kind = ints[3 * j], group = ints[3 * j + 1], n = ints[3 * j + 2];
-  Tensor y;
-  switch (kind) {
-    case kBf16: y = api::bf16_linear(x, t[0], out); break;
-    case kU4: y = api::u4_tiled_linear(x, t[0], t[1], t[2], n, out); break;
-    case kI8: y = api::i8_tiled_linear(x, t[0], t[1], t[2], group, n, out); break;
-    default: TORCH_CHECK(false, "unknown linear kind ", kind);
-  }
-  if (t[3].numel() > 0) y.add_(t[3]);  // the bias, added as `out + bias` adds it
-  return y;
-}
-
-// Whether a layer's gate_up (linear 2) runs fused with the gated activation
-// (gated_tiled_linear): a tiled weight, whole tiles per half, no bias.
-bool fused_gate_up(const Tensor* tensors, const int64_t* ints) {
-  const int64_t kind = ints[6], n = ints[8];
-  return (kind == kU4 || kind == kI8) && n % 32 == 0 && tensors[2 + 4 * 2 + 3].numel() == 0;
-}
-
-// The layer's MLP activation act(x W_gate^T) * (x W_up^T) [T, I] into `act`; through
-// `gate_up` ([T, 2I]) only where the weight is not fused.
-Tensor gated_mlp_act(const Tensor* tensors, const int64_t* ints, const Tensor& x,
-                     Tensor& gate_up, Tensor& act) {
-  if (fused_gate_up(tensors, ints)) {
-    const Tensor* t = tensors + 2 + 4 * 2;
-    return api::gated_tiled_linear(x, t[0], t[1], t[2], ints[7], ints[8], ints[6] == kU4,
-                                   false, &act);
-  }
-  return api::gated_act(linear(tensors, ints, 2, x, &gate_up), false, &act);
-}
 
 // The calling thread's step workspace: float32 pages of its own (page_backed_floats),
 // grown to the largest step and kept. While the decoder stack runs, its layer buffers live
@@ -101,93 +66,221 @@ Tensor workspace_floats(int64_t numel) {
 //   qkv      [T, Nqkv]
 //   attn     [T, Hq * D]
 //   proj     [T, H]          o's output, then down's (the next layer's input)
-//   gate_up  [T, 2I]
+//   gate_up  [T, 2I]         only where some layer's gate_up is not fused with its act
 //   act      [T, I]
+//   normed   [T, H]          sandwich layers only: o's output normed, then down's output
 // The stack's results never alias it: the residual stream and the last layer's output
 // are tensors of their own.
 struct LayerBuffers {
-  Tensor h, qkv, attn, proj, gate_up, act;
+  Tensor h, qkv, attn, proj, gate_up, act, normed;
 };
 
-LayerBuffers layer_buffers(int64_t t, int64_t hidden, int64_t qkv, int64_t attn,
-                           int64_t gate_up, int64_t act) {
-  const int64_t widths[] = {hidden, qkv, attn, hidden, gate_up, act};
+LayerBuffers layer_buffers(int64_t t, const int64_t (&widths)[7]) {
   int64_t total = 0;
   for (int64_t w : widths) total += t * w;
   const Tensor block = workspace_floats(total);
-  Tensor views[6];
+  Tensor views[7];
   int64_t offset = 0;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 7; ++i) {
     views[i] = block.narrow(0, offset, t * widths[i]).view({t, widths[i]});
     offset += t * widths[i];
   }
-  return {views[0], views[1], views[2], views[3], views[4], views[5]};
+  return {views[0], views[1], views[2], views[3], views[4], views[5], views[6]};
 }
 
-std::tuple<Tensor, Tensor> decoder_stack(
-    const Tensor& x_in, const Tensor& positions, at::TensorList params, at::IntArrayRef ints,
-    at::TensorList kv, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
-    const Tensor& seq_ids, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
-    const Tensor& block_tables, double scale, double eps, int64_t heads, int64_t kv_heads,
-    int64_t head_dim) {
-  const int64_t layers = static_cast<int64_t>(kv.size()) / 2;
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kTensorsPerLayer &&
-                  static_cast<int64_t>(ints.size()) == layers * kIntsPerLayer,
-              "decoder_stack: ", layers, " layers need ", kTensorsPerLayer, " tensors and ",
-              kIntsPerLayer, " ints each");
-  const int64_t t = x_in.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
-  Tensor x = x_in.clone();  // becomes the residual stream, updated in place
-  Tensor residual;
-  // One set of buffers serves every layer: each must have the first one's widths.
-  const int64_t hidden = x_in.size(1);
-  // gate_up's [T, 2I] buffer only where some layer does not fuse it with the activation
-  bool all_fused = true;
-  for (int64_t layer = 0; layer < layers; ++layer)
-    all_fused = all_fused && fused_gate_up(params.data() + layer * kTensorsPerLayer,
-                                           ints.data() + layer * kIntsPerLayer);
-  LayerBuffers buf = layer_buffers(t, hidden, ints[2], q_size, all_fused ? 0 : ints[8],
-                                   ints[8] / 2);
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const Tensor* p = params.data() + layer * kTensorsPerLayer;
-    const int64_t* n = ints.data() + layer * kIntsPerLayer;
-    TORCH_CHECK(n[2] == ints[2] && n[8] == ints[8] && n[5] == hidden && n[11] == hidden,
-                "decoder_stack: layer ", layer, " has other widths than layer 0");
-    Tensor h;
-    if (layer == 0) {
-      residual = x;
-      h = api::rms_norm(x, p[0], eps, &buf.h);
-    } else {
-      h = api::add_rms_norm(x, residual, p[0], eps, &buf.h);
-    }
-    Tensor qkv = linear(p, n, 0, h, &buf.qkv);
-    Tensor q = qkv.narrow(1, 0, q_size).view({t, heads, head_dim});
-    Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads, head_dim});
-    Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
-    api::rotary_neox_(q, k, positions, cos, sin);
-    Tensor k_cache = kv[2 * layer], v_cache = kv[2 * layer + 1];
-    api::write_kv_cache_(k, v, k_cache, v_cache, slot_mapping);
-    Tensor attn = buf.attn.view({t, heads, head_dim});
-    api::paged_attention_rows_(q, k_cache, v_cache, attn, seq_ids, cu_seqlens_q, seq_lens,
-                               block_tables, scale, n[12], 0.0);
-    h = api::add_rms_norm(linear(p, n, 1, buf.attn, &buf.proj), residual, p[1], eps, &buf.h);
-    Tensor act = gated_mlp_act(p, n, h, buf.gate_up, buf.act);
-    // The last layer's output is returned: a tensor of its own, not the reused buffer.
-    x = layer + 1 < layers ? linear(p, n, 3, act, &buf.proj) : linear(p, n, 3, act);
+using LinearPtr = c10::intrusive_ptr<Linear>;
+
+struct DecoderLayerWeights {
+  // Named norms (float32, the scale the kernel multiplies by: Gemma's 1 + w already added);
+  // an undefined tensor where the layer has no such norm.
+  Tensor input, post_attention, pre_feedforward, post_feedforward, q, k;
+  LinearPtr qkv, o, gate_up, down;
+  int64_t sliding_window;  // 0: none
+  int64_t rotary;          // index of the layer's rotary tables
+
+  bool sandwich() const { return pre_feedforward.defined(); }
+};
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
+               double soft_cap, bool gelu)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps),
+        soft_cap_(soft_cap), gelu_(gelu) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
+                "DecoderStack: ", heads, " heads over ", kv_heads, " KV heads of ", head_dim);
   }
-  return {x, residual};
-}
+
+  // cos, sin [P, W] float32 (W <= D / 2: the rotated features are the first 2W of a head);
+  // returns the tables' index for add_layer.
+  int64_t add_rotary(Tensor cos, Tensor sin) {
+    check_cpu_contiguous(cos, "cos");
+    check_cpu_contiguous(sin, "sin");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                    sin.scalar_type() == at::kFloat && 2 * cos.size(1) <= head_dim_,
+                "DecoderStack: rotary tables must be float32 [positions, <= head_dim / 2]");
+    rotary_.emplace_back(cos, sin);
+    return static_cast<int64_t>(rotary_.size()) - 1;
+  }
+
+  // norms: "input", "post_attention" (every layer); "pre_feedforward" and
+  // "post_feedforward" (sandwich layers, both or neither); "q" and "k" (both or neither).
+  void add_layer(c10::Dict<std::string, Tensor> norms, LinearPtr qkv, LinearPtr o,
+                 LinearPtr gate_up, LinearPtr down, int64_t sliding_window, int64_t rotary) {
+    DecoderLayerWeights w;
+    for (const auto& item : norms) {
+      const std::string& name = item.key();
+      Tensor* slot = name == "input"              ? &w.input
+                     : name == "post_attention"   ? &w.post_attention
+                     : name == "pre_feedforward"  ? &w.pre_feedforward
+                     : name == "post_feedforward" ? &w.post_feedforward
+                     : name == "q"                ? &w.q
+                     : name == "k"                ? &w.k
+                                                  : nullptr;
+      TORCH_CHECK(slot != nullptr, "DecoderStack: unknown norm '", name, "'");
+      const Tensor& value = item.value();
+      TORCH_CHECK(value.scalar_type() == at::kFloat && value.dim() == 1 && value.is_contiguous(),
+                  "DecoderStack: norm '", name, "' must be contiguous float32 [width]");
+      *slot = value;
+    }
+    TORCH_CHECK(w.input.defined() && w.post_attention.defined(),
+                "DecoderStack: every layer needs the 'input' and 'post_attention' norms");
+    TORCH_CHECK(w.pre_feedforward.defined() == w.post_feedforward.defined(),
+                "DecoderStack: 'pre_feedforward' and 'post_feedforward' come together");
+    TORCH_CHECK(w.q.defined() == w.k.defined(), "DecoderStack: 'q' and 'k' come together");
+    const int64_t hidden = w.input.numel(), q_size = heads_ * head_dim_;
+    const int64_t qkv_size = q_size + 2 * kv_heads_ * head_dim_;
+    TORCH_CHECK(qkv->in_features() == hidden && qkv->out_features() == qkv_size &&
+                    o->in_features() == q_size && o->out_features() == hidden &&
+                    gate_up->in_features() == hidden && gate_up->out_features() % 2 == 0 &&
+                    down->in_features() == gate_up->out_features() / 2 &&
+                    down->out_features() == hidden,
+                "DecoderStack: the layer's linears do not fit hidden ", hidden, " and ",
+                heads_, " + 2 x ", kv_heads_, " heads of ", head_dim_);
+    for (const Tensor* n : {&w.post_attention, &w.pre_feedforward, &w.post_feedforward})
+      TORCH_CHECK(!n->defined() || n->numel() == hidden, "DecoderStack: a norm of width ",
+                  n->numel(), " in a model of width ", hidden);
+    TORCH_CHECK(!w.q.defined() || (w.q.numel() == head_dim_ && w.k.numel() == head_dim_),
+                "DecoderStack: q and k norms must be [head_dim]");
+    TORCH_CHECK(rotary >= 0 && rotary < static_cast<int64_t>(rotary_.size()),
+                "DecoderStack: no rotary tables ", rotary);
+    TORCH_CHECK(sliding_window >= 0, "DecoderStack: negative sliding window");
+    if (!layers_.empty()) {  // one set of buffers serves every layer: the same widths
+      const DecoderLayerWeights& first = layers_.front();
+      TORCH_CHECK(first.input.numel() == hidden &&
+                      first.gate_up->out_features() == gate_up->out_features(),
+                  "DecoderStack: every layer must have the first one's widths");
+    }
+    w.qkv = std::move(qkv);
+    w.o = std::move(o);
+    w.gate_up = std::move(gate_up);
+    w.down = std::move(down);
+    w.sliding_window = sliding_window;
+    w.rotary = rotary;
+    layers_.push_back(std::move(w));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  std::tuple<Tensor, Tensor> forward(const Tensor& x_in, const Tensor& positions,
+                                     at::TensorList kv, const Tensor& slot_mapping,
+                                     const Tensor& seq_ids, const Tensor& cu_seqlens_q,
+                                     const Tensor& seq_lens, const Tensor& block_tables) const {
+    const int64_t layers = num_layers();
+    TORCH_CHECK(layers > 0, "DecoderStack: no layers");
+    TORCH_CHECK(static_cast<int64_t>(kv.size()) == 2 * layers, "DecoderStack: ", layers,
+                " layers need ", 2 * layers, " caches, got ", kv.size());
+    const DecoderLayerWeights& first = layers_.front();
+    const int64_t t = x_in.size(0), hidden = first.input.numel();
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden && x_in.scalar_type() == at::kFloat,
+                "DecoderStack: x must be float32 [T, ", hidden, "]");
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t inner = first.gate_up->out_features() / 2;
+    bool all_fused = true, any_sandwich = false;
+    for (const DecoderLayerWeights& w : layers_) {
+      all_fused = all_fused && w.gate_up->fuses_gated();
+      any_sandwich = any_sandwich || w.sandwich();
+    }
+    const int64_t widths[7] = {hidden,       q_size + 2 * kv_size,   q_size, hidden,
+                               all_fused ? 0 : 2 * inner, inner, any_sandwich ? hidden : 0};
+    LayerBuffers buf = layer_buffers(t, widths);
+    Tensor x = x_in.clone();  // becomes the residual stream, updated in place
+    Tensor residual;
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const DecoderLayerWeights& w = layers_[layer];
+      const bool last = layer + 1 == layers;
+      Tensor h;
+      if (layer == 0) {
+        residual = x;
+        h = api::rms_norm(x, w.input, eps_, &buf.h);
+      } else {
+        h = api::add_rms_norm(x, residual, w.input, eps_, &buf.h);
+      }
+      Tensor qkv = w.qkv->forward(h, &buf.qkv);
+      Tensor q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
+      Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_});
+      Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, head_dim_});
+      if (w.q.defined()) {
+        api::head_rms_norm_(q, w.q, eps_);
+        api::head_rms_norm_(k, w.k, eps_);
+      }
+      const auto& [cos, sin] = rotary_[w.rotary];
+      api::rotary_neox_(q, k, positions, cos, sin);
+      Tensor k_cache = kv[2 * layer], v_cache = kv[2 * layer + 1];
+      api::write_kv_cache_(k, v, k_cache, v_cache, slot_mapping);
+      Tensor attn = buf.attn.view({t, heads_, head_dim_});
+      api::paged_attention_rows_(q, k_cache, v_cache, attn, seq_ids, cu_seqlens_q, seq_lens,
+                                 block_tables, scale_, w.sliding_window, soft_cap_);
+      Tensor o = w.o->forward(buf.attn, &buf.proj);
+      if (w.sandwich()) {
+        Tensor normed = api::rms_norm(o, w.post_attention, eps_, &buf.normed);
+        h = api::add_rms_norm(normed, residual, w.pre_feedforward, eps_, &buf.h);
+        Tensor act = w.gate_up->gated(h, gelu_, &buf.gate_up, &buf.act);
+        Tensor down = w.down->forward(act, &buf.normed);
+        // The last layer's output is returned: a tensor of its own, not the reused buffer.
+        x = last ? api::rms_norm(down, w.post_feedforward, eps_)
+                 : api::rms_norm(down, w.post_feedforward, eps_, &buf.proj);
+      } else {
+        h = api::add_rms_norm(o, residual, w.post_attention, eps_, &buf.h);
+        Tensor act = w.gate_up->gated(h, gelu_, &buf.gate_up, &buf.act);
+        x = last ? w.down->forward(act) : w.down->forward(act, &buf.proj);
+      }
+    }
+    return {x, residual};
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_, eps_, soft_cap_;
+  bool gelu_;
+  std::vector<std::pair<Tensor, Tensor>> rotary_;
+  std::vector<DecoderLayerWeights> layers_;
+};
+
+using StackPtr = c10::intrusive_ptr<DecoderStack>;
 
 }  // namespace
-}  // namespace pagedllm
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+void register_decoder_stack(torch::Library& m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, bool>())
+      .def("add_rotary", &DecoderStack::add_rotary)
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers);
   m.def(
-      "decoder_stack(Tensor x, Tensor positions, Tensor[] params, int[] ints, Tensor[] kv, "
-      "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor seq_ids, Tensor cu_seqlens_q, "
-      "Tensor seq_lens, Tensor block_tables, float scale, float eps, int heads, int kv_heads, "
-      "int head_dim) -> (Tensor, Tensor)",
-      &pagedllm::decoder_stack);
+      "decoder_stack(__torch__.torch.classes.pagedllm.DecoderStack stack, Tensor x, "
+      "Tensor positions, Tensor[] kv, Tensor slot_mapping, Tensor seq_ids, "
+      "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_tables) -> (Tensor, Tensor)",
+      [](const StackPtr& stack, const at::Tensor& x, const at::Tensor& positions,
+         at::TensorList kv, const at::Tensor& slot_mapping, const at::Tensor& seq_ids,
+         const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+         const at::Tensor& block_tables) {
+        return stack->forward(x, positions, kv, slot_mapping, seq_ids, cu_seqlens_q, seq_lens,
+                              block_tables);
+      });
   // float32 [numel], a view of the calling thread's step workspace: valid until the next
   // decoder_stack or step_workspace call on this thread, which may overwrite it.
-  m.def("step_workspace(int numel) -> Tensor", &pagedllm::workspace_floats);
+  m.def("step_workspace(int numel) -> Tensor", &workspace_floats);
 }
+
+}  // namespace pagedllm

@@ -16,6 +16,7 @@ Tensor add_rms_norm(const Tensor& x, Tensor& residual, const Tensor& weight, dou
 void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos,
                   const Tensor& sin);
 Tensor gated_act(const Tensor& x, bool gelu, Tensor* out = nullptr);
+void head_rms_norm_(Tensor& x, const Tensor& weight, double eps);
 void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                      const Tensor& slot_mapping);
 // attention.cpp
@@ -35,6 +36,21 @@ Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scale
 Tensor gated_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                           const Tensor& mins, int64_t group, int64_t n, bool format_u4,
                           bool gelu, Tensor* out = nullptr);
+// One tiled weight of `rows` output rows whose results go to columns col .. col + rows
+// of a wider output (a linear stacked from weights of different formats).
+struct TiledPart {
+  const Tensor* tiles;
+  const Tensor* scales;
+  const Tensor* mins;  // empty: no mins
+  int64_t group, rows, col;
+  bool u4;
+};
+// x [M, K] float32 -> every part's columns of out (rows ldo floats apart), x quantized once.
+void tiled_linear_parts(const Tensor& x, const std::vector<TiledPart>& parts, float* out,
+                        int64_t ldo);
+// Refuses (TORCH_CHECK) tiles, scales and mins that do not hold an [n, k] weight.
+void check_tiled(const Tensor& tiles, const Tensor& scales, const Tensor& mins, int64_t n,
+                 int64_t k, int64_t group, bool u4);
 
 }  // namespace api
 }  // namespace pagedllm

@@ -732,7 +732,7 @@ void amx_tile_rows(const uint8_t* wgroups, const TileData& tile, const AmxRows& 
 
 template <Format F, int G, typename S>
 void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const Tensor& scales,
-                const Tensor& mins, int64_t n, float* out) {
+                const Tensor& mins, int64_t n, float* out, int64_t ldo) {
   const int64_t k = qx.k, num_tiles = tiles.size(0), groups = k / G;
   const int64_t tile_bytes = tiles.numel() / num_tiles;
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
@@ -759,12 +759,12 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
                               mp != nullptr ? mp + t * groups * kTile : nullptr};
           const uint8_t* b = wgroups + (t - t0) * k * kTile;
           const int64_t lanes = std::min(kTile, n - t * kTile);
-          float* o = out + c * kTile * n + t * kTile;
+          float* o = out + c * kTile * ldo + t * kTile;
           switch ((rows + 3) / 4) {
-            case 4: amx_tile_rows<G, 16, S>(b, tile, x, c, o, n, lanes, rows); break;
-            case 3: amx_tile_rows<G, 12, S>(b, tile, x, c, o, n, lanes, rows); break;
-            case 2: amx_tile_rows<G, 8, S>(b, tile, x, c, o, n, lanes, rows); break;
-            default: amx_tile_rows<G, 4, S>(b, tile, x, c, o, n, lanes, rows); break;
+            case 4: amx_tile_rows<G, 16, S>(b, tile, x, c, o, ldo, lanes, rows); break;
+            case 3: amx_tile_rows<G, 12, S>(b, tile, x, c, o, ldo, lanes, rows); break;
+            case 2: amx_tile_rows<G, 8, S>(b, tile, x, c, o, ldo, lanes, rows); break;
+            default: amx_tile_rows<G, 4, S>(b, tile, x, c, o, ldo, lanes, rows); break;
           }
         }
       }
@@ -821,12 +821,14 @@ struct TilePointers {
   }
 };
 
+// x W^T [M, N] into out, whose rows are ldo floats apart (ldo >= N: a linear's columns
+// beside other weights' in a wider output).
 template <Format F, int G, typename S>
 void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const Tensor& scales,
-                  const Tensor& mins, int64_t n, float* out) {
+                  const Tensor& mins, int64_t n, float* out, int64_t ldo) {
 #ifdef PAGEDLLM_AMX
   if (m >= kAmxMinRows && amx::enabled()) {
-    amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, out);
+    amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, out, ldo);
     return;
   }
 #endif
@@ -836,7 +838,7 @@ void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const 
       const int64_t c1 = std::min(m, c0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
         const TileData next = w.tile(t + 1);  // prefetched by the first pass over tile t
-        tile_row_chunk<F, G, S>(w.tile(t), x, c0, c1, out + c0 * n + t * kTile, n,
+        tile_row_chunk<F, G, S>(w.tile(t), x, c0, c1, out + c0 * ldo + t * kTile, ldo,
                                 std::min(kTile, n - t * kTile), t + 1 < end ? &next : nullptr);
       }
     }
@@ -857,7 +859,7 @@ void gated_tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles,
 #ifdef PAGEDLLM_AMX
   if (m >= kAmxMinRows && amx::enabled()) {  // AMX's blocking is its own: not fused
     Tensor gate_up = at::empty({m, n}, at::kFloat);
-    amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, gate_up.data_ptr<float>());
+    amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, gate_up.data_ptr<float>(), n);
     const float* g = gate_up.data_ptr<float>();
     parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
       gated_rows(g + begin * n, g + begin * n + half, n, out + begin * half, half,
@@ -950,7 +952,7 @@ Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor&
     if (gated)
       gated_tiled_matmul<F, G, S>(qx, m, tiles, scales, mins, n, epilogue == Epilogue::kGelu, op);
     else
-      tiled_matmul<F, G, S>(qx, m, tiles, scales, mins, n, op);
+      tiled_matmul<F, G, S>(qx, m, tiles, scales, mins, n, op, n);
   });
   return out;
 }
@@ -1089,9 +1091,43 @@ std::tuple<Tensor, Tensor, Tensor> quantize_activations_op(const Tensor& x_in) {
   return {qx, d, xs};
 }
 
+// x [M, K] float32 -> each part's x W^T into its columns of out [M, ldo]: the rows are
+// quantized once for every part (a quantized row is the same whichever weight it meets,
+// so each part's columns are the bits its own linear would give).
+void tiled_linear_parts(const Tensor& x_in, const std::vector<api::TiledPart>& parts,
+                        float* out, int64_t ldo) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  for (const api::TiledPart& p : parts) {
+    const Format format = p.u4 ? Format::kU4 : Format::kI8;
+    check_tiles(*p.tiles, *p.scales, *p.mins, p.rows, k, p.group, format);
+    TORCH_CHECK(p.col >= 0 && p.col + p.rows <= ldo, "a part's columns lie outside the output");
+  }
+  if (m == 0 || parts.empty()) return;
+  const QuantizedRows qx = quantize_activations(x);
+  for (const api::TiledPart& p : parts) {
+    with_tile_format(p.u4 ? Format::kU4 : Format::kI8, p.group, *p.scales,
+                     [&](auto f, auto g, auto s) {
+                       constexpr Format F = decltype(f)::value;
+                       constexpr int G = decltype(g)::value;
+                       tiled_matmul<F, G, decltype(s)>(qx, m, *p.tiles, *p.scales, *p.mins,
+                                                       p.rows, out + p.col, ldo);
+                     });
+  }
+}
+
 }  // namespace
 
 namespace api {
+void tiled_linear_parts(const Tensor& x, const std::vector<TiledPart>& parts, float* out,
+                        int64_t ldo) {
+  pagedllm::tiled_linear_parts(x, parts, out, ldo);
+}
+void check_tiled(const Tensor& tiles, const Tensor& scales, const Tensor& mins, int64_t n,
+                 int64_t k, int64_t group, bool u4) {
+  check_tiles(tiles, scales, mins, n, k, group, u4 ? Format::kU4 : Format::kI8);
+}
 Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                        const Tensor& mins, int64_t n, Tensor* out) {
   return pagedllm::u4_tiled_linear(x, tiles, scales, mins, n, out);

@@ -100,10 +100,31 @@ Tensor add_rms_norm(const Tensor& x_in, Tensor& residual, const Tensor& weight, 
   return out;
 }
 
+// RMSNorm over each head of x [T, H, D] in place (rows may be strided, heads contiguous):
+// the q/k norms of Qwen3 and Gemma 3, each head computed as rms_norm computes a row.
+void head_rms_norm_(Tensor& x, const Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2),
+              "head_rms_norm_: x must be float32 [T, H, D] with contiguous heads");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == x.size(2),
+              "head_rms_norm_: weight must be float32 [D]");
+  const int64_t heads = x.size(1), d = x.size(2), stride = x.stride(0);
+  float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  parallel_for(0, x.size(0) * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = xp + (i / heads) * stride + (i % heads) * d;
+      rms_norm_row(row, wp, row, d, eps);  // reads the row whole before writing it
+    }
+  });
+}
+
 // ----------------------------------------------------------------- rotary
 // Neox rotary (rotate_half) in place on q [T, Hq, D] and k [T, Hkv, D] (views into a
 // [T, (Hq + 2 Hkv) D] qkv row are fine: rows may be strided, heads contiguous),
-// cos/sin [P, D/2] float32 looked up at positions [T].
+// cos/sin [P, W] float32 looked up at positions [T]. The first 2W features of each head
+// turn (W = D/2: all of them; less: a partial rotary, as Phi-4-mini's), the rest pass.
 void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& cos,
                   const Tensor& sin) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat,
@@ -111,8 +132,13 @@ void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& c
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
                   k.stride(1) == k.size(2),
               "q and k heads must be contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.dim() == 2 && 2 * cos.size(1) <= q.size(2) &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rotary tables must be contiguous float32 [positions, <= head_dim / 2]");
   Tensor pos = positions.to(at::kLong).contiguous();
-  const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2), half = d / 2;
+  const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
+  const int64_t half = cos.size(1);
   const int64_t* pp = pos.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -420,6 +446,9 @@ void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& c
 Tensor gated_act(const Tensor& x, bool gelu, Tensor* out) {
   return pagedllm::gated_act(x, gelu, out);
 }
+void head_rms_norm_(Tensor& x, const Tensor& weight, double eps) {
+  pagedllm::head_rms_norm_(x, weight, eps);
+}
 void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                      const Tensor& slot_mapping) {
   pagedllm::write_kv_cache_(k, v, k_cache, v_cache, slot_mapping);
@@ -438,6 +467,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         });
   m.def("rotary_neox_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()",
         &pagedllm::rotary_neox_);
+  m.def("head_rms_norm_(Tensor(a!) x, Tensor weight, float eps) -> ()",
+        &pagedllm::head_rms_norm_);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor",
         [](const at::Tensor& x, bool gelu) { return pagedllm::gated_act(x, gelu); });
   m.def("argmax_rows(Tensor x) -> Tensor", &pagedllm::argmax_rows);
