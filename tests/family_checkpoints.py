@@ -98,6 +98,9 @@ def _family_config(kind: str, vocab: int, ids: dict[str, Any], **overrides: Any)
     if kind == "qwen3":
         cfg = tf.Qwen3Config(**_common(vocab, **ids, **overrides))
         return cfg, tf.Qwen3ForCausalLM
+    if kind == "llama":  # Llama 3's shape (SmolLM2, Qwen2 and Mistral are tested elsewhere)
+        cfg = tf.LlamaConfig(**_common(vocab, **ids, **overrides))
+        return cfg, tf.LlamaForCausalLM
     if kind == "qwen3_moe":
         settings = dict(
             moe_intermediate_size=32,
@@ -166,6 +169,7 @@ def _family_config(kind: str, vocab: int, ids: dict[str, Any], **overrides: Any)
 
 
 TOKENIZER_FAMILY = {
+    "llama": "qwen3",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3",
     "gemma2": "gemma",

@@ -6,7 +6,8 @@ changes are the converter's, applied here by hand (pagedllm's loader must undo t
 - gemma2/gemma3: every norm weight written as w + 1;
 - qwen3moe: each layer's experts stacked [E, out, in] per projection;
 - phi3: longrope factors written as rope_factors_long/short tensors plus attn factor and
-  original context metadata; the rotary dim as rope.dimension_count.
+  original context metadata; the rotary dim as rope.dimension_count;
+- llama: q and k rows permuted from rotate-half order to llama.cpp's interleaved pairs.
 The tokenizer is written as a byte-level BPE ("gpt2") vocabulary with its merges.
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 GGUF_ARCH = {
+    "LlamaForCausalLM": "LLAMA",
     "Qwen3ForCausalLM": "QWEN3",
     "Qwen3MoeForCausalLM": "QWEN3MOE",
     "Gemma2ForCausalLM": "GEMMA2",
@@ -46,12 +48,22 @@ def _rope(config: dict) -> dict:
     return params
 
 
-def write_gguf(folder: Path, out: Path, quantize: str | None = None) -> Path:
+def _llama_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf's permutation of a llama q or k weight [heads * D, in]."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(
+    folder: Path, out: Path, quantize: str | None = None, mix: str | None = None, pure=False
+) -> Path:
     """quantize: None (every tensor F32) or a GGML type name ("Q8_0"): the linear weights
-    (matrices and stacked experts, not norms, embeddings or the router) in that type, as
-    llama-quantize leaves them."""
+    (matrices and stacked experts, not norms, embeddings or the router) in that type.
+    mix: a llama-quantize preset ("Q4_K_M"), every tensor given the type llama-quantize
+    gives it (gguf_mixes.mix_type; with `pure`, as `llama-quantize --pure`)."""
     import gguf
-    from gguf.quants import quantize as quantize_array
+    from gguf_mixes import mix_type
+    from gguf_mixes import quantize as quantize_array
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
@@ -118,6 +130,9 @@ def write_gguf(folder: Path, out: Path, quantize: str | None = None) -> Path:
         value = tensor.float()
         if arch_name in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             value = value + 1
+        if arch_name == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            kv_heads = config["num_key_value_heads"]
+            value = _llama_permute(value, heads if "q_proj" in name else kv_heads)
         extra[gguf_name] = value.numpy()
     for (_, layer, proj), by_expert in experts.items():
         stacked = torch.stack([by_expert[e] for e in sorted(by_expert)]).float()
@@ -125,14 +140,27 @@ def write_gguf(folder: Path, out: Path, quantize: str | None = None) -> Path:
             f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",)
         )
         extra[gguf_name] = stacked.numpy()
-    qtype = getattr(gguf.GGMLQuantizationType, quantize) if quantize else None
+    gqa = heads // config["num_key_value_heads"]
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    tied = "output.weight" not in extra
     for gguf_name, array in extra.items():
         array = np.ascontiguousarray(array)
-        linear = array.ndim >= 2 and gguf_name.startswith("blk.") and "gate_inp" not in gguf_name
-        if qtype is not None and linear:
-            writer.add_tensor(gguf_name, quantize_array(array, qtype), raw_dtype=qtype)
-        else:
+        chosen = None
+        if mix is not None:
+            match = re.match(r"blk\.(\d+)\.", gguf_name)
+            chosen = mix_type(
+                mix, gguf_name, array.shape, layer=int(match.group(1)) if match else 0,
+                layers=layers, gqa=gqa, experts=experts, tied=tied, pure=pure,
+            )  # fmt: skip
+        elif quantize and array.ndim >= 2 and gguf_name.startswith("blk."):
+            chosen = None if "gate_inp" in gguf_name else quantize
+        if chosen is None:
             writer.add_tensor(gguf_name, array)
+        elif chosen == "F16":
+            writer.add_tensor(gguf_name, array.astype(np.float16))
+        else:
+            qtype = getattr(gguf.GGMLQuantizationType, chosen)
+            writer.add_tensor(gguf_name, quantize_array(array, chosen), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
