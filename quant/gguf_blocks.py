@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .packed import U4_GROUP, PackedWeight, pack_u4
+from .packed import U4_GROUP, KFactors, PackedWeight, pack_u4
 
 QK_K = 256
 PACKED_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
@@ -58,18 +58,31 @@ def to_packed(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Packe
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n * (k // per_block), nbytes)
     q, scale, mins, group = _DECODERS[type_name](blocks)
     # q: [num_blocks, per_block] integer values; scale/mins: [num_blocks, per_block // group]
+    # values, or a K-quant's two levels (factor per block, integer multiplier per group)
     q = q.reshape(n, k)
-    scale_t = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, k // group))
-    mins_t = (
-        None
-        if mins is None
-        else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(n, k // group))
-    )
+    scale_t, scale_factors = _values(scale, n, k, group)
+    mins_t, min_factors = (None, None) if mins is None else _values(mins, n, k, group)
     if type_name in ("Q4_0", "Q4_1", "Q4_K"):
         assert group == U4_GROUP and mins_t is not None
-        return PackedWeight("u4", pack_u4(torch.from_numpy(q)), scale_t, mins_t, group, (n, k))
-    q_t = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)))
-    return PackedWeight("i8", q_t, scale_t, mins_t, group, (n, k))
+        kind, q_t = "u4", pack_u4(torch.from_numpy(q))
+    else:
+        kind, q_t = "i8", torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)))
+    return PackedWeight(kind, q_t, scale_t, mins_t, group, (n, k), scale_factors, min_factors)
+
+
+def _values(decoded, n: int, k: int, group: int) -> tuple[torch.Tensor, KFactors | None]:
+    """(float32 [N, K/G] values, their K factors or None) of a decoder's scales or mins."""
+    if not isinstance(decoded, tuple):
+        values = np.ascontiguousarray(decoded, dtype=np.float32).reshape(n, k // group)
+        return torch.from_numpy(values), None
+    factor, multiplier = decoded  # [blocks] float32, [blocks, QK_K // group] integers
+    factor = factor.astype(np.float32)
+    products = factor[:, None] * multiplier.astype(np.float32)  # exact: fp16 x small int
+    factors = KFactors(
+        torch.from_numpy(np.ascontiguousarray(multiplier.astype(np.int8).reshape(n, k // group))),
+        torch.from_numpy(np.ascontiguousarray(factor.reshape(n, k // QK_K))),
+    )
+    return torch.from_numpy(np.ascontiguousarray(products.reshape(n, k // group))), factors
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -132,7 +145,7 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
 def _q4_k(b: np.ndarray):
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scale_min(b[:, 4:16])
-    return _k_low_nibbles(b[:, 16:144]), d[:, None] * sc, -(dmin[:, None] * mn), 32
+    return _k_low_nibbles(b[:, 16:144]), (d, sc), (-dmin, mn), 32
 
 
 def _q5_k(b: np.ndarray):
@@ -141,12 +154,12 @@ def _q5_k(b: np.ndarray):
     qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     high = (qh & 1).reshape(-1, QK_K)  # bit j of qh[l] is the fifth bit of sub-block j
     q = _k_low_nibbles(b[:, 48:176]) | (high << 4)
-    return q, d[:, None] * sc, -(dmin[:, None] * mn), 32
+    return q, (d, sc), (-dmin, mn), 32
 
 
 def _q6_k(b: np.ndarray):
     ql, qh = b[:, 0:128], b[:, 128:192]
-    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
     d = _f16(b[:, 208:210])
     # Each half of 128 values: low nibbles of ql[0:32], ql[32:64], then high nibbles of
     # both; two high bits each from qh[0:32] at shifts 0, 2, 4, 6.
@@ -155,7 +168,7 @@ def _q6_k(b: np.ndarray):
     high = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     high = high & 0x03
     q = (low | (high << 4)).reshape(-1, QK_K).astype(np.int16) - 32
-    return q, d[:, None] * sc, None, 16
+    return q, (d, sc), None, 16
 
 
 def _two_bit_values(qs: np.ndarray) -> np.ndarray:
@@ -168,8 +181,8 @@ def _two_bit_values(qs: np.ndarray) -> np.ndarray:
 def _q2_k(b: np.ndarray):
     scales = b[:, 0:16]  # sub-block j: scale in the low nibble, min in the high one
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    sc, mn = (scales & 0x0F).astype(np.float32), (scales >> 4).astype(np.float32)
-    return _two_bit_values(b[:, 16:80]), d[:, None] * sc, -(dmin[:, None] * mn), 16
+    sc, mn = scales & 0x0F, scales >> 4
+    return _two_bit_values(b[:, 16:80]), (d, sc), (-dmin, mn), 16
 
 
 def _q3_k(b: np.ndarray):
@@ -184,7 +197,7 @@ def _q3_k(b: np.ndarray):
     # Bit b of hmask[l] is the high bit of value 32b + l; a clear bit subtracts 4.
     high = hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     q = _two_bit_values(b[:, 32:96]).astype(np.int16) - 4 * (1 - (high & 1).reshape(-1, QK_K))
-    return q, d[:, None] * (sc - 32).astype(np.float32), None, 16
+    return q, (d, sc - 32), None, 16
 
 
 def _q8_0(b: np.ndarray):

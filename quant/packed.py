@@ -11,6 +11,9 @@
 The scales and mins are float32 so that every GGUF block type lands here with the exact
 values llama.cpp dequantizes it to (a K-quant's scale is its fp16 super-scale times a 6-bit
 integer: exact in float32, not in fp16 or bf16). `dequantize` is their torch reference.
+A K-quant also keeps its two levels (`KFactors`: the integer multipliers and the factors
+of each 256-value super-block), which the kernels' layout stores instead of the products:
+1.25 bytes per group and row, not 4 (a Q4_K weight reads 4.6 bits per value, not 6).
 
 These row-major forms are what loading works with (stacking q, k and v, permuting rows,
 splitting shards). Once a linear's weight is complete it is repacked, exactly, into the
@@ -28,6 +31,21 @@ U4_GROUP = 32
 TILE_ROWS = 16  # output rows per tile of the kernels' layout
 
 
+K_SUPER = 256  # values of K per K-quant super-block
+
+
+@dataclass(slots=True)
+class KFactors:
+    """A K-quant's scales (or mins) in their two levels, whose products are the values:
+    value[n, g] = factors[n, g * group // 256] * multipliers[n, g], exact in float32."""
+
+    multipliers: torch.Tensor  # int8 [N, K/G]
+    factors: torch.Tensor  # float32 [N, K/256]
+
+    def rows(self, index: slice | torch.Tensor) -> KFactors:
+        return KFactors(self.multipliers[index].contiguous(), self.factors[index].contiguous())
+
+
 @dataclass(slots=True)
 class PackedWeight:
     """One packed [N, K] weight in the U4 or I8 format (see the module docstring)."""
@@ -38,6 +56,9 @@ class PackedWeight:
     mins: torch.Tensor | None
     group: int
     shape: tuple[int, int]  # (N, K)
+    # The scales' and mins' two levels, for K-quants (None: one level only).
+    scale_factors: KFactors | None = None
+    min_factors: KFactors | None = None
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -51,6 +72,19 @@ class PackedWeight:
         assert tuple(self.scales.shape) == (n, k // self.group)
         assert self.scales.dtype in (torch.float32, torch.float16)
         assert self.mins is None or self.mins.dtype == self.scales.dtype
+        for parts in (self.scale_factors, self.min_factors):
+            assert parts is None or (
+                k % K_SUPER == 0
+                and tuple(parts.multipliers.shape) == (n, k // self.group)
+                and tuple(parts.factors.shape) == (n, k // K_SUPER)
+            )
+
+    @property
+    def has_k_factors(self) -> bool:
+        """Whether every level-two value comes with its factors (the kernels' KScale form)."""
+        return self.scale_factors is not None and (
+            self.mins is None or self.min_factors is not None
+        )
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +110,8 @@ class PackedWeight:
         """Scales and mins stored as float16 when every one of them is exact there (GGUF's
         own fp16 scales are; a K-quant's products of two are not): 20% fewer bytes to read."""
         parts = [self.scales] + ([self.mins] if self.mins is not None else [])
+        if self.has_k_factors:  # the kernels store the two levels: 1.25 bytes, not 2
+            return self
         if self.scales.dtype == torch.float16 or not all(
             torch.equal(t.half().float(), t) for t in parts
         ):
@@ -91,43 +127,41 @@ class PackedWeight:
 
     def rows(self, start: int, end: int) -> PackedWeight:
         """Output rows start:end (a tensor-parallel shard, or one of stacked weights)."""
-        return PackedWeight(
-            self.kind,
-            self.qweight[start:end].contiguous(),
-            self.scales[start:end].contiguous(),
-            None if self.mins is None else self.mins[start:end].contiguous(),
-            self.group,
-            (end - start, self.shape[1]),
-        )
+        return self._select(slice(start, end), end - start)
 
     def rows_of(self, ids: torch.Tensor) -> PackedWeight:
         """The rows `ids` (an embedding lookup), still packed."""
-        return PackedWeight(
-            self.kind,
-            self.qweight[ids],
-            self.scales[ids],
-            None if self.mins is None else self.mins[ids],
-            self.group,
-            (int(ids.numel()), self.shape[1]),
-        )
+        return self._select(ids, int(ids.numel()))
 
     def permute_rows(self, order: torch.Tensor) -> PackedWeight:
         """Rows reordered (undoing llama.cpp's rotary permutation of q and k)."""
+        return self._select(order, self.shape[0])
+
+    def _select(self, index: slice | torch.Tensor, count: int) -> PackedWeight:
         return PackedWeight(
             self.kind,
-            self.qweight[order].contiguous(),
-            self.scales[order].contiguous(),
-            None if self.mins is None else self.mins[order].contiguous(),
+            self.qweight[index].contiguous(),
+            self.scales[index].contiguous(),
+            None if self.mins is None else self.mins[index].contiguous(),
             self.group,
-            self.shape,
+            (count, self.shape[1]),
+            None if self.scale_factors is None else self.scale_factors.rows(index),
+            None if self.min_factors is None else self.min_factors.rows(index),
         )
 
     def tiled(self) -> TiledWeight:
-        """The same values in the kernels' tile layout (needs the C++ kernels loaded)."""
+        """The same values in the kernels' tile layout (needs the C++ kernels loaded): K
+        factors where the weight has them, else its scales as they are."""
         ops = torch.ops.pagedllm
         tiles = ops.tile_u4(self.qweight) if self.kind == "u4" else ops.tile_i8(self.qweight)
-        mins = None if self.mins is None else _tile_lanes(self.mins)
-        return TiledWeight(self.kind, tiles, _tile_lanes(self.scales), mins, self.group, self.shape)
+        if self.has_k_factors:
+            assert self.scale_factors is not None
+            scales = _tile_k_factors(self.scale_factors)
+            mins = None if self.min_factors is None else _tile_k_factors(self.min_factors)
+        else:
+            scales = _tile_lanes(self.scales)
+            mins = None if self.mins is None else _tile_lanes(self.mins)
+        return TiledWeight(self.kind, tiles, scales, mins, self.group, self.shape)
 
 
 def _tile_lanes(values: torch.Tensor) -> torch.Tensor:
@@ -139,19 +173,30 @@ def _tile_lanes(values: torch.Tensor) -> torch.Tensor:
     return padded.view(tiles, TILE_ROWS, groups).transpose(1, 2).contiguous()
 
 
+def _tile_k_factors(parts: KFactors) -> torch.Tensor:
+    """K factors -> uint8 [T, K/G * 16 + K/256 * 64]: per tile its int8 multipliers
+    [K/G, 16], then its float32 factors [K/256, 16] (kernels/csrc/linear_packed.cpp's
+    KScale)."""
+    multipliers = _tile_lanes(parts.multipliers).view(torch.uint8)
+    factors = _tile_lanes(parts.factors).view(torch.uint8)  # float32 bytes
+    tiles = multipliers.shape[0]
+    return torch.cat([multipliers.reshape(tiles, -1), factors.reshape(tiles, -1)], dim=1)
+
+
 @dataclass(slots=True)
 class TiledWeight:
     """A packed [N, K] weight in the layout of the C++ kernels (kernels/csrc/linear_packed.cpp).
 
         u4  tiles uint8 [T, K/32, 4, 64]    T = ceil(N / 16) tiles of 16 output rows
         i8  tiles uint8 [T, K/4, 64]        q + 128
-        scales, mins [T, K/G, 16]           float32 or float16, as the PackedWeight had them
+        scales, mins [T, K/G, 16]           float32 or float16, as the PackedWeight had them,
+                     or uint8 [T, K/G * 16 + K/256 * 64]: a K-quant's two levels per tile
 
     The values are those of the PackedWeight it came from, exactly (`dequantize`)."""
 
     kind: str  # "u4" | "i8"
     tiles: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor  # float32 / float16 [T, K/G, 16], or uint8 K factors [T, bytes]
     mins: torch.Tensor | None
     group: int
     shape: tuple[int, int]  # (N, K)
@@ -207,6 +252,8 @@ def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
     mins = None
     if first.mins is not None:
         mins = torch.cat([w.mins.to(dtype) for w in weights])  # type: ignore[union-attr]
+    # Two levels only where every part has them (else the products alone, as exact).
+    with_factors = all(w.has_k_factors for w in weights)
     return PackedWeight(
         first.kind,
         torch.cat([w.qweight for w in weights]),
@@ -214,6 +261,17 @@ def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
         mins,
         first.group,
         (sum(w.shape[0] for w in weights), first.shape[1]),
+        _cat_factors([w.scale_factors for w in weights]) if with_factors else None,
+        _cat_factors([w.min_factors for w in weights]) if with_factors else None,
+    )
+
+
+def _cat_factors(parts: list[KFactors | None]) -> KFactors | None:
+    if any(p is None for p in parts):
+        return None
+    present = [p for p in parts if p is not None]
+    return KFactors(
+        torch.cat([p.multipliers for p in present]), torch.cat([p.factors for p in present])
     )
 
 

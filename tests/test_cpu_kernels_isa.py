@@ -71,11 +71,46 @@ def cases() -> list[tuple]:
         weights.append(PackedWeight("i8", q, scales, mins, group, (n, k)))
     x = torch.randn(7, k, generator=g) * 2  # AVX2: u4 passes of 6 + 1 rows, i8 of 4 + 3
     out = []
-    for w in weights:
+    for w in weights + k_factor_weights(n, g):
         tiled = w.tiled()
         mins = tiled.mins if tiled.mins is not None else torch.empty(0)
-        out.append((w.kind, w.qweight, tiled.scales, mins, w.group, n, x))
+        rows = x if w.shape[1] == k else torch.randn(7, w.shape[1], generator=g) * 2
+        out.append((w.kind, w.qweight, tiled.scales, mins, w.group, n, rows))
     return out
+
+
+def k_factor_weights(n: int, g: torch.Generator) -> list[PackedWeight]:
+    """Weights whose scales (and mins) are a K-quant's two levels, K = 512: u4 with mins
+    (Q4_K), i8 in groups of 16 (Q6_K, signed multipliers) and of 32 with mins (Q5_K)."""
+    from pagedllm_integrations.quant.packed import KFactors
+
+    k = 512
+
+    def factors(group: int, signed: bool) -> KFactors:
+        low = -128 if signed else 0
+        multipliers = torch.randint(low, 64, (n, k // group), dtype=torch.int8, generator=g)
+        return KFactors(multipliers, (torch.rand(n, k // 256, generator=g) * 1e-3).half().float())
+
+    def values(parts: KFactors, group: int) -> torch.Tensor:
+        return parts.factors.repeat_interleave(256 // group, dim=1) * parts.multipliers.float()
+
+    weights = []
+    for kind, group, with_mins in (("u4", 32, True), ("i8", 16, False), ("i8", 32, True)):
+        if kind == "u4":
+            q = quantize_u4(torch.randn(n, k, generator=g)).qweight
+        else:
+            q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        scale_parts = factors(group, signed=kind == "i8" and group == 16)
+        min_parts = factors(group, signed=False) if with_mins else None
+        mins = None if min_parts is None else -values(min_parts, group)
+        if min_parts is not None:  # mins are -dmin * m: the factor carries the sign
+            min_parts = KFactors(min_parts.multipliers, -min_parts.factors)
+        weight = PackedWeight(
+            kind, q, values(scale_parts, group), mins, group, (n, k), scale_parts, min_parts
+        )
+        assert weight.tiled().scales.dtype == torch.uint8  # the kernels' KScale form
+        weights.append(weight)
+    return weights
 
 
 # -mno-avx2 switches AVX-512 off too (it builds on AVX2).

@@ -77,6 +77,8 @@ def test_every_packed_gguf_type_is_exact(tmp_path, type_name):
         assert compact.scales.dtype == torch.float16
     # the loader's float path dequantizes to the same values
     assert torch.equal(value.dense(), torch.from_numpy(reference))
+    # K-quants keep their two levels of scales, which the kernels store as they are
+    assert packed.has_k_factors == type_name.endswith("_K")
     # row permutations (llama.cpp's rotary order undone) move whole rows of blocks
     order = np.arange(ROWS)[::-1].copy()
     permuted = to_packed(type_name, value.permute_rows(order).data, value.shape)
@@ -98,3 +100,30 @@ def test_types_without_a_packed_form_are_dequantized_once_to_bf16(tmp_path):
     reference = dequantize(data, gguf.GGMLQuantizationType.IQ4_NL).reshape(ROWS, COLS)
     assert isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
     assert torch.equal(dense, torch.from_numpy(reference).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_tile_their_two_levels_with_the_same_bits(tmp_path, type_name):
+    """The kernels' K form (int8 multipliers and per-256 factors, 1.25 bytes per group and
+    row) gives the values and the products of the float32 scales, bit for bit."""
+    from pagedllm_integrations.kernels import cpu_ext
+    from pagedllm_integrations.quant.packed import PackedWeight
+    from pagedllm_integrations.quant.packed_linear import packed_matmul
+
+    if not cpu_ext.load():
+        pytest.skip("needs the C++ kernels")
+    data = _blocks(type_name, np.random.default_rng(3))
+    value = _write_and_read(tmp_path, type_name, data)
+    packed = to_packed(value.type_name, value.data, value.shape).compact()
+    plain = PackedWeight(  # the same weight with its float32 products only
+        packed.kind, packed.qweight, packed.scales, packed.mins, packed.group, packed.shape
+    )
+    k_form, float_form = packed.tiled(), plain.tiled()
+    assert k_form.scales.dtype == torch.uint8 and float_form.scales.dtype == torch.float32
+    assert k_form.nbytes < float_form.nbytes
+    reference = dequantize(data, gguf.GGMLQuantizationType[type_name]).reshape(ROWS, COLS)
+    assert torch.equal(k_form.dequantize(), torch.from_numpy(reference))
+    x = torch.randn(17, COLS, generator=torch.Generator().manual_seed(1))
+    expected = packed_matmul(x, float_form)
+    for rows in (1, 2, 5, 7, 17):
+        assert torch.equal(packed_matmul(x[:rows], k_form), expected[:rows])

@@ -298,14 +298,64 @@ enum class Format { kU4, kI8 };
 
 struct TileData {
   const uint8_t* bytes;  // this tile's first byte
-  const void* scales;    // [K/G, 16]
-  const void* mins;      // [K/G, 16] or null
+  const void* scales;    // its groups' scales (GroupValues below)
+  const void* mins;      // its groups' mins, or null
 };
+
+// How a tile's per-group scales (and mins) are stored, the kernels' template parameter S:
+//   float, at::Half  S [K/G, 16]: group g, lane l at [16 g + l]
+//   KScale           the two levels of a K-quant, kept as they are (a product d * sc of an
+//                    fp16 and a 6-bit integer is exact in float32 but not in 16 bits):
+//                    int8 multipliers [K/G, 16], then float factors [K/256, 16]; the value
+//                    of group g, lane l is factor[g G / 256][l] * float(multiplier[g][l]),
+//                    an exact product, the float32 value the GGUF block means. 1.25 bytes
+//                    per group and lane instead of 4 (Q4_K: 4.6 bits per weight, not 6).
+// Every form yields the same float32 values; a tile's values take tile_values_bytes.
+struct KScale {};
+
+template <typename S>
+inline int64_t tile_values_bytes(int64_t groups, int64_t k) {
+  if constexpr (std::is_same_v<S, KScale>) return groups * kTile + (k / 256) * kTile * 4;
+  else return groups * kTile * static_cast<int64_t>(sizeof(S));
+}
+
+// Where group g's values (multipliers for KScale) start: what the prefetches ask for.
+template <typename S>
+inline const char* group_values_address(const void* base, int64_t g) {
+  if constexpr (std::is_same_v<S, KScale>) return static_cast<const char*>(base) + g * kTile;
+  else return reinterpret_cast<const char*>(static_cast<const S*>(base) + g * kTile);
+}
+
+// One value: group g (of `groups`, G values of K each), lane l.
+template <typename S, int G>
+inline float group_value(const void* base, int64_t groups, int64_t g, int64_t lane) {
+  if constexpr (std::is_same_v<S, KScale>) {
+    const int8_t* mult = static_cast<const int8_t*>(base);
+    const float* factor = reinterpret_cast<const float*>(mult + groups * kTile);
+    return factor[(g * G / 256) * kTile + lane] * static_cast<float>(mult[g * kTile + lane]);
+  } else {
+    return scalar_of(static_cast<const S*>(base)[g * kTile + lane]);
+  }
+}
 
 #ifdef PAGEDLLM_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Group g's 16 values (lane l: the tile's row 16t + l).
+template <typename S, int G>
+inline __m512 group_values16(const void* base, int64_t groups, int64_t g) {
+  if constexpr (std::is_same_v<S, KScale>) {
+    const int8_t* mult = static_cast<const int8_t*>(base);
+    const float* factor = reinterpret_cast<const float*>(mult + groups * kTile);
+    const __m512i m = _mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(mult + g * kTile)));
+    return _mm512_mul_ps(_mm512_loadu_ps(factor + (g * G / 256) * kTile), _mm512_cvtepi32_ps(m));
+  } else {
+    return load16(static_cast<const S*>(base) + g * kTile);
+  }
 }
 
 // acc[l] += sum over j < 4 of w[4l + j] * x[4l + j] (w unsigned bytes, x signed), exactly.
@@ -351,8 +401,8 @@ template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* next = nullptr) {
   const int64_t k = x.k, groups = k / G;
-  const S* scales = static_cast<const S*>(tile.scales);
-  const S* mins = static_cast<const S*>(tile.mins);
+  const void* scales = tile.scales;
+  const void* mins = tile.mins;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   constexpr int kChains = MR <= kFewRowsChains ? 4 : MR <= kTwoChainRows ? 2 : 1;
   __m512 acc[MR];
@@ -365,20 +415,16 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       // tile's end they are the next tile's, which this thread reads next).
       const char* ahead = reinterpret_cast<const char*>(tile.bytes + (g + kAhead) * group_bytes);
       for (int64_t line = 0; line < group_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(scales + (g + kAhead) * kTile), _MM_HINT_T0);
-      if (mins != nullptr)
-        _mm_prefetch(reinterpret_cast<const char*>(mins + (g + kAhead) * kTile), _MM_HINT_T0);
+      _mm_prefetch(group_values_address<S>(scales, g + kAhead), _MM_HINT_T0);
+      if (mins != nullptr) _mm_prefetch(group_values_address<S>(mins, g + kAhead), _MM_HINT_T0);
     } else if (next != nullptr) {
       // More rows pass over a tile several times (kRowChunk rows, 4 at a time) from L1;
       // the first pass asks for the next tile meanwhile, so that memory stays busy while
       // the later passes compute (at 16 rows the weights otherwise streamed at ~11 GB/s).
       const char* ahead = reinterpret_cast<const char*>(next->bytes + g * group_bytes);
       for (int64_t line = 0; line < group_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(static_cast<const S*>(next->scales) + g * kTile),
-                   _MM_HINT_T0);
-      if (next->mins != nullptr)
-        _mm_prefetch(reinterpret_cast<const char*>(static_cast<const S*>(next->mins) + g * kTile),
-                     _MM_HINT_T0);
+      _mm_prefetch(group_values_address<S>(next->scales, g), _MM_HINT_T0);
+      if (next->mins != nullptr) _mm_prefetch(group_values_address<S>(next->mins, g), _MM_HINT_T0);
     }
     // kChains partial sums per row, added once at the end of the group: exact in any
     // order, and independent dependency chains, so that consecutive vpdpbusd of a row
@@ -412,9 +458,9 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
         }
       }
     }
-    const __m512 s = load16(scales + g * kTile);
+    const __m512 s = group_values16<S, G>(scales, groups, g);
     __m512 mn = _mm512_setzero_ps();
-    if (mins != nullptr) mn = load16(mins + g * kTile);
+    if (mins != nullptr) mn = group_values16<S, G>(mins, groups, g);
     for (int r = 0; r < MR; ++r) {
       __m512i exact = isum[r][0];
       if constexpr (kChains >= 2) exact = _mm512_add_epi32(exact, isum[r][1]);
@@ -459,6 +505,21 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 constexpr int kAvx2PassRows = 6;
 constexpr int kAvx2I8PassRows = 4;
 
+// Lanes 8 half .. 8 half + 7 of group g's values (GroupValues).
+template <typename S, int G>
+inline __m256 group_values8(const void* base, int64_t groups, int64_t g, int half) {
+  if constexpr (std::is_same_v<S, KScale>) {
+    const int8_t* mult = static_cast<const int8_t*>(base);
+    const float* factor = reinterpret_cast<const float*>(mult + groups * kTile);
+    const __m256i m = _mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mult + g * kTile + 8 * half)));
+    return _mm256_mul_ps(_mm256_loadu_ps(factor + (g * G / 256) * kTile + 8 * half),
+                         _mm256_cvtepi32_ps(m));
+  } else {
+    return load8_float(static_cast<const S*>(base) + g * kTile + 8 * half);
+  }
+}
+
 inline __m256i broadcast4_avx2(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -476,8 +537,8 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
                            const TileData* next) {
   static_assert(MR <= kAvx2PassRows, "more rows than a half-tile pass holds in registers");
   const int64_t k = x.k, groups = k / G;
-  const S* scales = static_cast<const S*>(tile.scales) + 8 * half;
-  const S* mins = tile.mins != nullptr ? static_cast<const S*>(tile.mins) + 8 * half : nullptr;
+  const void* scales = tile.scales;
+  const void* mins = tile.mins;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   constexpr int64_t group_bytes = F == Format::kU4 ? G * 8 : G * 16;  // of the 16 rows
@@ -526,8 +587,9 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
         for (int r = 0; r < MR; ++r) keep_in_register(exact[r]);
       }
     }
-    const __m256 s = load8_float(scales + g * kTile);
-    const __m256 mn = mins != nullptr ? load8_float(mins + g * kTile) : _mm256_setzero_ps();
+    const __m256 s = group_values8<S, G>(scales, groups, g, half);
+    const __m256 mn =
+        mins != nullptr ? group_values8<S, G>(mins, groups, g, half) : _mm256_setzero_ps();
     for (int r = 0; r < MR; ++r) {
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[r]),
                                _mm256_mul_ps(s, _mm256_set1_ps(x.scale<G>(r0 + r, g))), acc[r]);
@@ -561,8 +623,6 @@ template <Format F, int G, int MR, typename S>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* /*next*/ = nullptr) {
   const int64_t k = x.k, groups = k / G;
-  const S* scales = static_cast<const S*>(tile.scales);
-  const S* mins = static_cast<const S*>(tile.mins);
   for (int r = 0; r < MR; ++r) {
     const int64_t row = r0 + r;
     for (int64_t lane = 0; lane < lanes; ++lane) {
@@ -580,10 +640,11 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
           }
           isum += q * x.q[row * k + kk];
         }
-        const float s = scalar_of(scales[g * kTile + lane]);
+        const float s = group_value<S, G>(tile.scales, groups, g, lane);
         acc = std::fma(static_cast<float>(isum), s * x.scale<G>(row, g), acc);
-        if (mins != nullptr)
-          acc = std::fma(scalar_of(mins[g * kTile + lane]), x.group_min_scale<G>(row, g), acc);
+        if (tile.mins != nullptr)
+          acc = std::fma(group_value<S, G>(tile.mins, groups, g, lane),
+                         x.group_min_scale<G>(row, g), acc);
       }
       out[r * out_stride + lane] = acc;
     }
@@ -685,8 +746,8 @@ void amx_tile_rows(const uint8_t* wgroups, const TileData& tile, const AmxRows& 
                    float* out, int64_t out_stride, int64_t lanes, int64_t rows) {
   constexpr int64_t a_bytes = kTile * G, b_bytes = G * 16;  // per group
   const int64_t groups = x.groups;
-  const S* scales = static_cast<const S*>(tile.scales);
-  const S* mins = static_cast<const S*>(tile.mins);
+  const void* scales = tile.scales;
+  const void* mins = tile.mins;
   const int8_t* a = x.q + c * groups * a_bytes;
   const float* d = x.d + c * groups * kTile;
   const float* md = x.md + c * groups * kTile;
@@ -705,7 +766,7 @@ void amx_tile_rows(const uint8_t* wgroups, const TileData& tile, const AmxRows& 
       else PAGEDLLM_GROUP_SUMS(0, 4, 6, ag, bg, G, sums[0]);
     }
     const int32_t* group_sums = sums[g & 1];
-    const __m512 s = load16(scales + g * kTile);
+    const __m512 s = group_values16<S, G>(scales, groups, g);
     const float* dg = d + g * kTile;
 #define PAGEDLLM_SCALE(R)                                                                   \
   if constexpr (R < MR)                                                                     \
@@ -714,7 +775,7 @@ void amx_tile_rows(const uint8_t* wgroups, const TileData& tile, const AmxRows& 
     PAGEDLLM_EACH_ROW(PAGEDLLM_SCALE)
 #undef PAGEDLLM_SCALE
     if (mins != nullptr) {
-      const __m512 mn = load16(mins + g * kTile);
+      const __m512 mn = group_values16<S, G>(mins, groups, g);
       const float* mdg = md + g * kTile;
 #define PAGEDLLM_MIN(R) \
   if constexpr (R < MR) acc##R = _mm512_fmadd_ps(mn, _mm512_set1_ps(mdg[R]), acc##R);
@@ -736,8 +797,9 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
   const int64_t k = qx.k, num_tiles = tiles.size(0), groups = k / G;
   const int64_t tile_bytes = tiles.numel() / num_tiles;
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
-  const S* sp = scales.data_ptr<S>();
-  const S* mp = mins.numel() > 0 ? mins.data_ptr<S>() : nullptr;
+  const char* sp = static_cast<const char*>(scales.data_ptr());
+  const char* mp = mins.numel() > 0 ? static_cast<const char*>(mins.data_ptr()) : nullptr;
+  const int64_t value_bytes = tile_values_bytes<S>(groups, k);
   const AmxRows x = amx_rows<G>(qx, m);
   parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     amx::configure_thread(G);
@@ -755,8 +817,8 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
       for (int64_t c = 0; c * kTile < m; ++c) {
         const int64_t rows = std::min(kTile, m - c * kTile);
         for (int64_t t = t0; t < t1; ++t) {
-          const TileData tile{tp + t * tile_bytes, sp + t * groups * kTile,
-                              mp != nullptr ? mp + t * groups * kTile : nullptr};
+          const TileData tile{tp + t * tile_bytes, sp + t * value_bytes,
+                              mp != nullptr ? mp + t * value_bytes : nullptr};
           const uint8_t* b = wgroups + (t - t0) * k * kTile;
           const int64_t lanes = std::min(kTile, n - t * kTile);
           float* o = out + c * kTile * ldo + t * kTile;
@@ -803,21 +865,21 @@ inline void tile_row_chunk(const TileData& tile, const QuantizedRows& x, int64_t
 template <typename S>
 struct TilePointers {
   const uint8_t* bytes;
-  const S* scales;
-  const S* mins;  // null: no mins
-  int64_t tile_bytes, groups;
+  const char* scales;
+  const char* mins;  // null: no mins
+  int64_t tile_bytes, value_bytes;
 
   TilePointers(const Tensor& tiles, const Tensor& scales_t, const Tensor& mins_t, int64_t k,
                int64_t group)
       : bytes(tiles.data_ptr<uint8_t>()),
-        scales(scales_t.data_ptr<S>()),
-        mins(mins_t.numel() > 0 ? mins_t.data_ptr<S>() : nullptr),
+        scales(static_cast<const char*>(scales_t.data_ptr())),
+        mins(mins_t.numel() > 0 ? static_cast<const char*>(mins_t.data_ptr()) : nullptr),
         tile_bytes(tiles.numel() / tiles.size(0)),
-        groups(k / group) {}
+        value_bytes(tile_values_bytes<S>(k / group, k)) {}
 
   TileData tile(int64_t t) const {
-    return {bytes + t * tile_bytes, scales + t * groups * kTile,
-            mins != nullptr ? mins + t * groups * kTile : nullptr};
+    return {bytes + t * tile_bytes, scales + t * value_bytes,
+            mins != nullptr ? mins + t * value_bytes : nullptr};
   }
 };
 
@@ -895,9 +957,16 @@ void check_tiles(const Tensor& tiles, const Tensor& scales, const Tensor& mins, 
   const int64_t num_tiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(tiles.size(0) == num_tiles && tiles.numel() == num_tiles * k * kTile /
                   (format == Format::kU4 ? 2 : 1), "tiles do not hold [", n, ", ", k, "]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
-              "scales must be float32 or float16");
-  TORCH_CHECK(scales.numel() == num_tiles * (k / group) * kTile, "scales must be [T, K/G, 16]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf ||
+                  scales.scalar_type() == at::kByte,
+              "scales must be float32, float16 or uint8 (K-quant multipliers and factors)");
+  if (scales.scalar_type() == at::kByte) {
+    TORCH_CHECK(k % 256 == 0, "K-quant scales need K a multiple of 256, got ", k);
+    TORCH_CHECK(scales.numel() == num_tiles * tile_values_bytes<KScale>(k / group, k),
+                "K-quant scales must be [T, K/G * 16 + K/256 * 64] bytes");
+  } else {
+    TORCH_CHECK(scales.numel() == num_tiles * (k / group) * kTile, "scales must be [T, K/G, 16]");
+  }
   TORCH_CHECK(mins.numel() == 0 || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
                                     mins.scalar_type() == scales.scalar_type()),
               "mins must be empty or shaped and typed like scales");
@@ -906,24 +975,23 @@ void check_tiles(const Tensor& tiles, const Tensor& scales, const Tensor& mins, 
 
 // fn(format, group, scale) with each as a compile-time value, for the kernels'
 // templates: a tag of the format (::value), of the group (::value), and a value of the
-// scales' type (float or at::Half).
+// scales' stored form (float, at::Half or KScale).
 template <typename Fn>
 void with_tile_format(Format format, int64_t group, const Tensor& scales, const Fn& fn) {
   using U4 = std::integral_constant<Format, Format::kU4>;
   using I8 = std::integral_constant<Format, Format::kI8>;
   using G32 = std::integral_constant<int, 32>;
   using G16 = std::integral_constant<int, 16>;
-  const bool half = scales.scalar_type() == at::kHalf;
-  if (format == Format::kU4) {
-    if (half) fn(U4{}, G32{}, at::Half{});
-    else fn(U4{}, G32{}, float{});
-  } else if (group == 32) {
-    if (half) fn(I8{}, G32{}, at::Half{});
-    else fn(I8{}, G32{}, float{});
-  } else {
-    if (half) fn(I8{}, G16{}, at::Half{});
-    else fn(I8{}, G16{}, float{});
-  }
+  auto with_scales = [&](auto f, auto g) {
+    switch (scales.scalar_type()) {
+      case at::kHalf: fn(f, g, at::Half{}); break;
+      case at::kByte: fn(f, g, KScale{}); break;
+      default: fn(f, g, float{}); break;
+    }
+  };
+  if (format == Format::kU4) with_scales(U4{}, G32{});
+  else if (group == 32) with_scales(I8{}, G32{});
+  else with_scales(I8{}, G16{});
 }
 
 // What follows the linear: nothing, or the gated activation of a gate_up weight (gate
@@ -1025,28 +1093,27 @@ Tensor tile_i8(const Tensor& qweight) {
 
 // The weight's values w[n, k] = fma(q, s, mn) in float32, for rows `ids` (an embedding
 // lookup) -> [len(ids), K]; ids must lie in 0..N-1.
-template <Format F, typename S>
-void lookup_rows(const int64_t* ids, int64_t count, const Tensor& tiles, const S* sp,
-                 const S* mp, int64_t group, int64_t n, int64_t k, float* out) {
-  const uint8_t* tp = tiles.data_ptr<uint8_t>();
-  const int64_t tile_bytes = tiles.numel() / tiles.size(0), groups = k / group;
+template <Format F, int G, typename S>
+void lookup_rows(const int64_t* ids, int64_t count, const Tensor& tiles, const Tensor& scales,
+                 const Tensor& mins, int64_t n, int64_t k, float* out) {
+  const TilePointers<S> w(tiles, scales, mins, k, G);
+  const int64_t groups = k / G;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t row = ids[i];
     TORCH_CHECK(row >= 0 && row < n, "token id ", row, " is outside the table of ", n);
-    const int64_t t = row / kTile, r = row % kTile;
-    const uint8_t* bytes = tp + t * tile_bytes;
+    const int64_t r = row % kTile;
+    const TileData tile = w.tile(row / kTile);
     for (int64_t kk = 0; kk < k; ++kk) {
       int32_t q;
       if constexpr (F == Format::kU4) {
         const int64_t in_group = kk % 32, p = (in_group % 16) / 4, j = in_group % 4;
-        const uint8_t byte = bytes[(kk / 32) * 256 + p * 64 + r * 4 + j];
+        const uint8_t byte = tile.bytes[(kk / 32) * 256 + p * 64 + r * 4 + j];
         q = in_group < 16 ? (byte & 0x0F) : (byte >> 4);
       } else {
-        q = static_cast<int32_t>(bytes[(kk / 4) * 64 + r * 4 + kk % 4]) - 128;
+        q = static_cast<int32_t>(tile.bytes[(kk / 4) * 64 + r * 4 + kk % 4]) - 128;
       }
-      const int64_t at = (t * groups + kk / group) * kTile + r;
-      const float s = scalar_of(sp[at]);
-      const float mn = mp != nullptr ? scalar_of(mp[at]) : 0.f;
+      const float s = group_value<S, G>(tile.scales, groups, kk / G, r);
+      const float mn = tile.mins != nullptr ? group_value<S, G>(tile.mins, groups, kk / G, r) : 0.f;
       out[i * k + kk] = std::fma(static_cast<float>(q), s, mn);
     }
   }
@@ -1060,18 +1127,13 @@ Tensor tiled_rows(const Tensor& ids_in, const Tensor& tiles, const Tensor& scale
   Tensor ids = ids_in.to(at::kLong).contiguous();
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(k);
-  Tensor out = at::empty(shape, scales.options().dtype(at::kFloat));
+  Tensor out = at::empty(shape, tiles.options().dtype(at::kFloat));
   const int64_t* idp = ids.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  auto run = [&](const auto* sp, const auto* mp) {
-    using S = std::remove_cv_t<std::remove_pointer_t<decltype(sp)>>;
-    if (is_u4) lookup_rows<Format::kU4, S>(idp, ids.numel(), tiles, sp, mp, group, n, k, op);
-    else lookup_rows<Format::kI8, S>(idp, ids.numel(), tiles, sp, mp, group, n, k, op);
-  };
-  if (scales.scalar_type() == at::kHalf)
-    run(scales.data_ptr<at::Half>(), mins.numel() > 0 ? mins.data_ptr<at::Half>() : nullptr);
-  else
-    run(scales.data_ptr<float>(), mins.numel() > 0 ? mins.data_ptr<float>() : nullptr);
+  with_tile_format(format, group, scales, [&](auto f, auto g, auto s) {
+    lookup_rows<decltype(f)::value, decltype(g)::value, decltype(s)>(idp, ids.numel(), tiles,
+                                                                    scales, mins, n, k, op);
+  });
   return out;
 }
 
