@@ -58,6 +58,7 @@ class GrammarCompileService:
     ) -> None:
         self._info_json = tokenizer_info_json
         self.max_concurrent = max_concurrent
+        self.owner_pid = os.getpid()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._jobs: dict[int, CompileJob] = {}
@@ -221,11 +222,12 @@ _SERVICES_LOCK = threading.Lock()
 
 def shared_service(tokenizer_info_json: str) -> GrammarCompileService:
     """The process-wide service for one tokenizer (its serialized xgrammar TokenizerInfo)."""
-    digest = hashlib.sha256(tokenizer_info_json.encode()).hexdigest()
+    # By process too: a forked child must not talk over its parent's pipes.
+    key = f"{os.getpid()}:{hashlib.sha256(tokenizer_info_json.encode()).hexdigest()}"
     with _SERVICES_LOCK:
-        service = _SERVICES.get(digest)
+        service = _SERVICES.get(key)
         if service is None:
-            service = _SERVICES[digest] = GrammarCompileService(tokenizer_info_json)
+            service = _SERVICES[key] = GrammarCompileService(tokenizer_info_json)
         return service
 
 
@@ -234,4 +236,5 @@ def _close_all() -> None:
     with _SERVICES_LOCK:
         services = list(_SERVICES.values())
     for service in services:
-        service.close()
+        if service.owner_pid == os.getpid():
+            service.close()

@@ -5,7 +5,7 @@ A prefix-cache directory may be shared by any number of processes and models of 
     <prefix_cache_dir>/                            0700, this user's (engine/private_dir.py)
       .pagedllm-prefix-cache.key                   the directory's secret, 0600
       SmolLM2-135M-Instruct-1f0c3a5e9b7d2c41.../   one folder per fingerprint, 0700
-        model.json                                 what the fingerprint stands for, readable
+        model.json                                 what the fingerprint stands for, as text
         3fa94c1d0b2e8a77.kv                        one full KV block, named by its chained hash
         .3fa94c1d0b2e8a77.kv.4242.9f1c3e5a.tmp     a write in progress (never read)
 

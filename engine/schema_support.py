@@ -203,7 +203,7 @@ class _Walk:
         pattern = schema.get("pattern")
         if "pattern" in schema and not isinstance(pattern, str):
             raise self.refuse("pattern", path, "pattern must be a string")
-        if isinstance(pattern, str) and _has_lookaround(pattern):
+        if isinstance(pattern, str) and has_lookaround(pattern):
             raise self.refuse(
                 "pattern", path, "lookahead and lookbehind ((?=, (?!, (?<=, (?<!) are not "
                 "enforced; rewrite the pattern without them",
@@ -383,7 +383,7 @@ def _values(schema: dict) -> set[str] | None:
     return None
 
 
-def _has_lookaround(pattern: str) -> bool:
+def has_lookaround(pattern: str) -> bool:
     """True when the regex has (?=, (?!, (?<= or (?<! outside escapes and character classes."""
     plain, i, in_class = [], 0, False
     while i < len(pattern):

@@ -45,7 +45,7 @@ from .grammar_compile_service import (
 from .grammar_compile_worker import JSON_SEPARATORS
 from .grammar_masks import GrammarMatcher, apply_draft_grammar_masks, apply_grammar_masks
 from .sampling_params import StructuredOutputsParams
-from .schema_support import check_enforceable
+from .schema_support import check_enforceable, has_lookaround
 
 __all__ = [
     "JSON_SEPARATORS",
@@ -216,6 +216,11 @@ class StructuredOutputManager:
                 return hit
         if key[0] == "json":
             check_enforceable(spec.json, "the structured_outputs.json schema")
+        if key[0] == "regex" and has_lookaround(key[1]):
+            raise ValueError(
+                "structured_outputs.regex uses a lookahead or lookbehind ((?=, (?!, (?<=, "
+                "(?<!), which the grammar cannot enforce; rewrite the regex without it"
+            )
         with self._lock:
             pending = self._pending.get(key)
             if pending is None or pending.job.future.cancelled():

@@ -221,3 +221,12 @@ def test_the_engine_refuses_them_at_submission(default_llm):
     )[0]  # fmt: skip
     for sample in out.outputs:
         jsonschema.validate(json.loads(sample.text), schema)
+
+
+def test_a_regex_with_lookaround_is_refused(default_llm):
+    params = SamplingParams(max_tokens=4, structured_outputs=Structured(regex="(?!no)[a-z]+"))
+    with pytest.raises(ValueError, match="lookahead or lookbehind"):
+        default_llm.engine.add_request("hello", params)
+    # Escaped or inside a class, the same characters are plain text: accepted.
+    params = SamplingParams(max_tokens=4, structured_outputs=Structured(regex=r"\(\?=[(?!]"))
+    default_llm.engine.add_request("hello", params).result()
