@@ -106,9 +106,9 @@ class _Child:
 
 
 class _Server:
-    def __init__(self, out_fd: int, tokenizer_info: Any, max_children: int) -> None:
+    def __init__(self, out_fd: int, compiler: Any, max_children: int) -> None:
         self.out_fd = out_fd  # the pipe to the engine
-        self.info = tokenizer_info
+        self.compiler = compiler  # warmed up here, so that every child starts warm
         self.max_children = max_children
         self.queue: deque[tuple[int, str, str, int, int]] = deque()
         self.running: dict[int, _Child] = {}
@@ -151,7 +151,7 @@ class _Server:
                 os.close(read_fd)
                 os.close(self.out_fd)  # the engine's pipe stays the server's alone
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                write_message(write_fd, _compile_job(self.info, kind, text, max_bytes))
+                write_message(write_fd, _compile_job(self.compiler, kind, text, max_bytes))
             finally:
                 os._exit(0)
         os.close(write_fd)
@@ -217,12 +217,9 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
-def _compile_job(info: Any, kind: str, text: str, max_bytes: int) -> tuple[bool, str, int]:
+def _compile_job(compiler: Any, kind: str, text: str, max_bytes: int) -> tuple[bool, str, int]:
     """(ok, serialized grammar or error message, grammar bytes); runs in the forked child."""
-    import xgrammar as xgr
-
     try:
-        compiler = xgr.GrammarCompiler(info, cache_enabled=False, max_threads=1)
         grammar = compile_grammar(compiler, kind, text)
     except Exception as error:  # xgrammar raises RuntimeError and friends
         return False, str(error), 0
@@ -257,7 +254,11 @@ def main() -> None:
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(info_json)
-    server = _Server(out_fd, info, max_children)
+    # One compiler (one thread, no cache), warmed up by a first compile: its lazily built
+    # tables are then inherited by every child instead of built again in each.
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False, max_threads=1)
+    compile_grammar(compiler, "json", '{"type": "object", "properties": {"a": {"type": "string"}}}')
+    server = _Server(out_fd, compiler, max_children)
     for message in messages[1:]:
         server.handle(message)
     server.reader = reader
