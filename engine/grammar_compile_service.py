@@ -89,12 +89,9 @@ class GrammarCompileService:
                 self._outbox.put(("cancel", job.job_id))
         job.future.cancel()
 
-    def wait_ready(self, timeout: float) -> bool:
-        """True once the process answers (it imports xgrammar first: seconds)."""
-        return self._ready.wait(timeout)
-
     @property
     def ready(self) -> bool:
+        """The process answers (it imports xgrammar first: seconds after it starts)."""
         return self._ready.is_set()
 
     @property
@@ -120,17 +117,17 @@ class GrammarCompileService:
         self._ready = threading.Event()
         self._outbox = outbox = queue.SimpleQueue()
         outbox.put(("init", self._info_json, self.max_concurrent))
-        ready = self._ready
-        for target, name in ((self._write_loop, "writer"), (self._read_loop, "reader")):
+        threads = [
+            (self._write_loop, (process, outbox), "writer"),
+            (self._read_loop, (process, outbox, self._ready), "reader"),
+        ]
+        for target, args, name in threads:
             threading.Thread(
-                target=target,
-                args=(process, outbox, ready),
-                name=f"pagedllm-grammar-{name}",
-                daemon=True,
+                target=target, args=args, name=f"pagedllm-grammar-{name}", daemon=True
             ).start()
         logger.debug("grammar compiler process %d started", process.pid)
 
-    def _write_loop(self, process: subprocess.Popen, outbox: queue.SimpleQueue, ready) -> None:
+    def _write_loop(self, process: subprocess.Popen, outbox: queue.SimpleQueue) -> None:
         """Messages to the process in order; a write never blocks a caller."""
         assert process.stdin is not None
         fd = process.stdin.fileno()
@@ -145,7 +142,9 @@ class GrammarCompileService:
         with contextlib.suppress(OSError):
             process.stdin.close()
 
-    def _read_loop(self, process: subprocess.Popen, outbox: queue.SimpleQueue, ready) -> None:
+    def _read_loop(
+        self, process: subprocess.Popen, outbox: queue.SimpleQueue, ready: threading.Event
+    ) -> None:
         assert process.stdout is not None
         fd = process.stdout.fileno()
         reader = MessageReader()
@@ -170,7 +169,7 @@ class GrammarCompileService:
             else:
                 jobs = []
         for job in jobs:
-            if not job.future.done():
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
                 job.future.set_exception(CompilerUnavailableError(self._failed or "ended"))
         if jobs:
             logger.warning("grammar compiler process %d ended with jobs running", process.pid)

@@ -37,3 +37,12 @@ def wait_for(condition, seconds: float = 60.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -9,11 +9,14 @@ the cache of compiled grammars is an LRU bounded in bytes.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import pytest
-from compiler_processes import SLOW_REGEX, compile_children, wait_for
+from compiler_processes import SLOW_REGEX, compile_children, running, wait_for
 
+from pagedllm_integrations.engine.grammar_compile_service import CompilerUnavailableError
 from pagedllm_integrations.engine.sampling_params import StructuredOutputsParams as Structured
 from pagedllm_integrations.engine.structured_outputs import (
     CompileCancelledError,
@@ -158,3 +161,17 @@ def test_a_compile_past_its_memory_budget_is_killed(manager):
         job.future.result(timeout=600)
     assert wait_for(lambda: not compile_children(service))
     assert manager.compile(small_schema("after_the_kill")).nbytes > 0  # it serves on
+
+
+def test_a_dead_compiler_process_costs_only_the_compiles_in_it(manager):
+    service = manager.service
+    waiter = Waiter(manager, Structured(regex=SLOW_REGEX + "k"))
+    assert wait_for(lambda: len(compile_children(service)) == 1)
+    (child,) = compile_children(service)
+    old = service.pid
+    os.kill(old, signal.SIGKILL)
+    waiter.thread.join()
+    assert isinstance(waiter.outcome, CompilerUnavailableError)  # the server's fault: a 500
+    assert wait_for(lambda: not running(child))  # its compile died with it
+    assert manager.compile(small_schema("after_a_restart")).nbytes > 0  # a new process
+    assert service.pid not in (None, old)
