@@ -23,10 +23,11 @@ So a block is written once it has been a prefix-cache hit twice in one process (
 request that shares it), or when `save_prefix(prompt)` asks. Hits of a sample on its
 siblings' blocks (`n` > 1) and of a preempted request on its own do not count.
 
-I/O on the engine thread. A load reads each block's file (for SmolLM2-135M one block of
-16 tokens is 360 KiB: a 2,000-token prompt is 45 MiB, tens of milliseconds from the page
-cache) once per request that can use it, before its first step: a cost of the same order
-as computing a few of those tokens, paid while the other requests wait one step. Writes
+I/O on the engine thread. A load reads each block's file and checks its keyed MAC (for
+SmolLM2-135M one block of 16 tokens is 360 KiB: a 2,000-token prompt is 45 MiB, tens of
+milliseconds from the page cache, and as much again for HMAC-SHA256 at ~0.7 GB/s) once
+per request that can use it, before its first step: a cost of the same order as computing
+a few of those tokens, paid while the other requests wait one step. Writes
 cost the engine thread only the copy out of the KV cache; the files are written by a
 thread of their own (prefix_store.PrefixStore).
 """

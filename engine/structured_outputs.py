@@ -1,20 +1,24 @@
 """Constrained decoding: a grammar restricts which tokens each step may sample.
 
 Backend: xgrammar (chosen over llguidance on measured evidence: ~8x cheaper per-token masks on
-the SmolLM2 vocabulary, the same JSON-schema coverage; see BENCHMARKS.md). Only this file
-imports it, and only when a request is constrained.
+the SmolLM2 vocabulary, the same JSON-schema coverage; see BENCHMARKS.md). Only this file,
+engine/grammar_masks.py and the compiler process import it, and only when a request is
+constrained.
 
 Flow (see engine/llm_engine.py and engine/sampler.py):
 - caller's thread, at submission: `StructuredOutputManager.compile(spec)` turns a
   `StructuredOutputsParams` into a compiled grammar (ValueError if it cannot be compiled, so a
-  bad schema never reaches the engine thread), cached by a canonical key. The compile itself
-  runs on the manager's one compile thread; the caller waits within its `compile_limits`
-  (a timeout, a cancel flag). `new_matcher` gives each sample its own `GrammarMatcher`
-  (parser state).
-- engine thread, per step: `apply_grammar_masks` fills one packed bitmask for all constrained
-  rows of the batch and applies it to the logits with one op; after sampling,
-  `accept_token` advances the parser and `is_terminated` says the grammar has ended (it
-  accepted an EOS token, which the mask allows exactly when the grammar can end).
+  bad schema never reaches the engine thread), cached by a canonical key. A JSON schema is
+  first checked for keywords the grammar would not enforce (engine/schema_support.py).
+- the compile itself runs in a child of the compiler process (engine/grammar_compile_worker.py),
+  one child per compile: compiles of different clients run side by side, and one that nobody
+  waits for any more (its caller's timeout passed, its client left) is killed, not left to
+  run. The caller waits within its `compile_limits` (a timeout, a cancel flag).
+- bounded in bytes: a grammar bigger than `max_grammar_bytes` is refused (its compiled cost,
+  not its text, is what a request may spend), and the cache of compiled grammars is an LRU
+  bounded by `cache_max_bytes` in all.
+- engine thread, per step: the masks of engine/grammar_masks.py (`new_matcher` gives each
+  sample its own `GrammarMatcher`).
 """
 
 from __future__ import annotations
@@ -28,21 +32,47 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from .grammar_compile_service import (
+    STARTUP_TIMEOUT_S,
+    CompileJob,
+    CompilerUnavailableError,
+    GrammarCompileService,
+    shared_service,
+)
+from .grammar_compile_worker import JSON_SEPARATORS
+from .grammar_masks import GrammarMatcher, apply_draft_grammar_masks, apply_grammar_masks
 from .sampling_params import StructuredOutputsParams
+from .schema_support import check_enforceable, has_lookaround
+
+__all__ = [
+    "JSON_SEPARATORS",
+    "CompileCancelledError",
+    "CompileTimeoutError",
+    "CompiledStructure",
+    "GrammarMatcher",
+    "StructuredOutputManager",
+    "apply_draft_grammar_masks",
+    "apply_grammar_masks",
+    "canonical_key",
+    "compile_limits",
+    "schema_dict",
+    "tagged_json_grammar",
+    "wrap_grammar",
+]
 
 logger = logging.getLogger(__name__)
 
-# Separators of the generated JSON: the model's natural ", " and ": ", and no free whitespace
-# (a small model given free whitespace can spend its whole token budget on newlines).
-JSON_SEPARATORS = (", ", ": ")
-_CACHE_SIZE = 256
 # How long a caller waits for a constraint to compile (the server answers 400 past it).
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# The largest compiled grammar one constraint may make. Real schemas compile to well under
+# 1 MiB (the 20 of tests/test_structured_outputs.py: 0.2 MiB at most); an enum of 400 strings
+# of 1,000 characters makes 104 MiB.
+DEFAULT_MAX_GRAMMAR_BYTES = 32 << 20
+# All compiled grammars kept for reuse (least recently used dropped first).
+DEFAULT_CACHE_MAX_BYTES = 256 << 20
 _POLL_S = 0.05  # how often a waiting caller looks at its cancel flag
 _MAX_ERROR_CHARS = 300  # of the grammar library's message (it may quote the whole schema)
 
@@ -73,19 +103,14 @@ def compile_limits(
     timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S, cancelled: threading.Event | None = None
 ) -> Iterator[None]:
     """Within the block, compiles that this thread waits for give up after `timeout` seconds
-    (CompileTimeoutError) or once `cancelled` is set (CompileCancelledError). The compile
-    itself runs on the manager's own thread and is dropped if nobody waits for it any more."""
+    (CompileTimeoutError) or once `cancelled` is set (CompileCancelledError). A compile that
+    nobody waits for any more is killed. The time the compiler process takes to start (once
+    per process, seconds) does not count against the timeout."""
     token = _LIMITS.set(CompileLimits(timeout, cancelled))
     try:
         yield
     finally:
         _LIMITS.reset(token)
-
-
-@dataclass(slots=True)
-class _PendingCompile:
-    future: concurrent.futures.Future
-    waiters: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,166 +119,73 @@ class CompiledStructure:
 
     key: tuple[str, str]
     grammar: Any  # xgrammar.CompiledGrammar
+    nbytes: int = 0  # its memory, as xgrammar counts it
 
 
-class GrammarMatcher:
-    """The parser state of one constrained sample (one per sequence, engine thread only)."""
-
-    __slots__ = ("_matcher", "_rejected", "vocab_size")
-
-    def __init__(self, compiled: CompiledStructure, vocab_size: int):
-        import xgrammar as xgr
-
-        self._matcher = xgr.GrammarMatcher(compiled.grammar)
-        self.vocab_size = vocab_size
-        self._rejected = False
-
-    @property
-    def bitmask_width(self) -> int:
-        return (self.vocab_size + 31) // 32
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """bitmask: int32 [rows, ceil(vocab / 32)] on CPU; bit j of row set = token j allowed."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-
-    def mask_logits(self, logits_row: torch.Tensor) -> None:
-        """logits_row: float [vocab]; sets the logits of disallowed tokens to -inf in place."""
-        apply_grammar_masks(logits_row[None, :], [0], [self])
-
-    def accept_token(self, token: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it."""
-        if self._rejected:
-            return False
-        ok = bool(self._matcher.accept_token(int(token)))
-        self._rejected = not ok
-        return ok
-
-    def is_terminated(self) -> bool:
-        """True once the grammar has ended (it accepted a stop token)."""
-        return bool(self._matcher.is_terminated())
-
-    def rollback(self, num_tokens: int) -> None:
-        self._matcher.rollback(num_tokens)
-
-    def fill_draft_bitmasks(
-        self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]
-    ) -> tuple[int, int]:
-        """Speculative decoding: the masks along a run of draft tokens.
-
-        Row first_row + j of bitmask (int32 [rows, ceil(vocab / 32)]) gets the mask after
-        drafts[:j], for each j the grammar reaches: it stops after the first draft it
-        refuses or after one that ends it. The parser state is as before on return.
-        Returns (drafts accepted in a row, rows filled).
-        """
-        matcher = self._matcher
-        accepted = filled = 0
-        for j in range(len(drafts) + 1):
-            matcher.fill_next_token_bitmask(bitmask, first_row + j)
-            filled += 1
-            if j == len(drafts) or not matcher.accept_token(int(drafts[j])):
-                break
-            accepted += 1
-            if matcher.is_terminated():
-                break
-        if accepted:
-            matcher.rollback(accepted)
-        return accepted, filled
+@dataclass(slots=True, eq=False)
+class _PendingCompile:
+    job: CompileJob
+    waiters: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    compiled: CompiledStructure | None = None  # deserialized by the first waiter
 
 
-def apply_grammar_masks(
-    logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]
-) -> None:
-    """Mask the constrained rows of a batch in place with one packed bitmask.
+class GrammarCache:
+    """Compiled grammars by key, least recently used first out, within `max_bytes`."""
 
-    logits: float [N, V] (any device); rows: the batch rows that are constrained, with
-    matchers[i] the matcher of logits[rows[i]]. Rows not listed are left untouched.
-    """
-    if not rows:
-        return
-    width = matchers[0].bitmask_width
-    # Rows of the bitmask follow the rows of the logits (xgrammar's `indices` convention);
-    # rows outside `rows` are never read.
-    bitmask = torch.empty(logits.shape[0], width, dtype=torch.int32)
-    if len(matchers) == 1:
-        matchers[0].fill_bitmask(bitmask, rows[0])
-    else:
-        _batch_matcher().batch_fill_next_token_bitmask(
-            [m._matcher for m in matchers], bitmask, list(rows)
-        )
-    _apply_bitmask(logits, bitmask, rows)
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[str, str], CompiledStructure] = OrderedDict()
 
+    def get(self, key: tuple[str, str]) -> CompiledStructure | None:
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+        return hit
 
-def apply_draft_grammar_masks(
-    logits: torch.Tensor,
-    first_rows: Sequence[int],
-    matchers: Sequence[GrammarMatcher],
-    drafts: Sequence[Sequence[int]],
-) -> list[int]:
-    """Mask the rows of constrained sequences that verify draft tokens, in place.
+    def put(self, compiled: CompiledStructure) -> None:
+        if compiled.nbytes > self.max_bytes or compiled.key in self._entries:
+            return
+        self._entries[compiled.key] = compiled
+        self.nbytes += compiled.nbytes
+        while self.nbytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.nbytes -= dropped.nbytes
 
-    Sequence i owns rows first_rows[i] .. first_rows[i] + len(drafts[i]) of logits [N, V]:
-    row j is masked for its grammar's state after drafts[i][:j] (see
-    `GrammarMatcher.fill_draft_bitmasks`). Returns, per sequence, how many of its drafts
-    the grammar accepts in a row: a later draft can never be accepted.
-    """
-    if not matchers:
-        return []
-    bitmask = torch.empty(logits.shape[0], matchers[0].bitmask_width, dtype=torch.int32)
-    rows: list[int] = []
-    limits: list[int] = []
-    for first, matcher, tokens in zip(first_rows, matchers, drafts):
-        accepted, filled = matcher.fill_draft_bitmasks(bitmask, first, tokens)
-        rows.extend(range(first, first + filled))
-        limits.append(accepted)
-    _apply_bitmask(logits, bitmask, rows)
-    return limits
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
 
-
-def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """logits[rows] of disallowed tokens to -inf; bitmask int32 [N, width] on CPU."""
-    import xgrammar as xgr
-
-    width = bitmask.shape[1]
-    if logits.device.type != "cpu":
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    # Ids past the bitmask (a model vocabulary wider than the tokenizer's) are masked too:
-    # they have no text, so no grammar can accept them.
-    covered = width * 32
-    if logits.shape[1] > covered:
-        logits[list(rows), covered:] = float("-inf")
-    xgr.apply_token_bitmask_inplace(
-        logits, bitmask, vocab_size=min(logits.shape[1], covered), indices=list(rows)
-    )
-
-
-_BATCH = threading.local()
-
-
-def _batch_matcher():
-    """One xgrammar BatchGrammarMatcher per thread (it owns a worker pool)."""
-    matcher = getattr(_BATCH, "matcher", None)
-    if matcher is None:
-        import xgrammar as xgr
-
-        matcher = _BATCH.matcher = xgr.BatchGrammarMatcher()
-    return matcher
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and hands out matchers. Thread-safe.
 
-    Compiles run one at a time on the manager's own thread, with xgrammar itself on one
-    thread: a hostile schema costs at most one core, never the engine thread's, and never
-    the event loop of a server. A caller waits for its compile within the limits of
-    `compile_limits` (a timeout, a cancel flag); two callers of the same constraint share
-    one compile, and a compile nobody waits for any more is dropped before it starts.
+    A caller waits for its compile within the limits of `compile_limits`; two callers of the
+    same constraint share one compile, and a compile nobody waits for any more is killed.
+    max_grammar_bytes: the largest compiled grammar one constraint may make (ValueError past
+    it); cache_max_bytes: what the cache of compiled grammars may hold in all; service: the
+    compiler process to use (by default the one shared by every manager of this tokenizer).
     """
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] | None = None
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int] | None = None,
+        *,
+        max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+        cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES,
+        service: GrammarCompileService | None = None,
     ):
         import xgrammar as xgr
 
+        for name, value in (("max_grammar_bytes", max_grammar_bytes),
+                            ("cache_max_bytes", cache_max_bytes)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
         # The model's vocabulary may be wider than the tokenizer's (padding rows); xgrammar
         # treats the ids past the tokenizer as special tokens that are never allowed.
         self.vocab_size = max(int(vocab_size), len(tokenizer))
@@ -261,110 +193,111 @@ class StructuredOutputManager:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
         )
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False, max_threads=1)
-        self._cache: OrderedDict[tuple[str, str], CompiledStructure] = OrderedDict()
+        # The compiler process: shared by every manager of this tokenizer unless given.
+        self.service = service or shared_service(self.tokenizer_info.serialize_json())
+        self.max_grammar_bytes = max_grammar_bytes
+        self._cache = GrammarCache(cache_max_bytes)
         self._pending: dict[tuple[str, str], _PendingCompile] = {}
-        # Reentrant: a future's done callback (`_settle`) runs at once in the thread that
-        # adds it to a finished future, or that cancels it, which holds the lock then.
-        self._lock = threading.RLock()
-        self._worker = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pagedllm-grammar"
-        )
+        self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledStructure:
         """Compile (or fetch from the cache) the grammar of one constraint.
 
-        Raises ValueError when the schema / regex / grammar cannot be compiled,
-        CompileTimeoutError (a ValueError) past the caller's timeout, and
-        CompileCancelledError once the caller's cancel flag is set.
+        Raises ValueError when the schema / regex / grammar cannot be compiled (or uses a
+        JSON Schema keyword the grammar would not enforce, or compiles past
+        max_grammar_bytes), CompileTimeoutError (a ValueError) past the caller's timeout,
+        and CompileCancelledError once the caller's cancel flag is set.
         """
         key = canonical_key(spec)
         limits = _LIMITS.get() or CompileLimits()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(key)
                 return hit
+        if key[0] == "json":
+            check_enforceable(spec.json, "the structured_outputs.json schema")
+        if key[0] == "regex" and has_lookaround(key[1]):
+            raise ValueError(
+                "structured_outputs.regex uses a lookahead or lookbehind ((?=, (?!, (?<=, "
+                "(?<!), which the grammar cannot enforce; rewrite the regex without it"
+            )
+        with self._lock:
             pending = self._pending.get(key)
-            if pending is None:
-                pending = _PendingCompile(self._worker.submit(self._compile_job, key))
-                self._pending[key] = pending
-                pending.future.add_done_callback(lambda f, key=key: self._settle(key, f))
+            if pending is None or pending.job.future.cancelled():
+                job = self.service.submit(key[0], key[1], self.max_grammar_bytes)
+                pending = self._pending[key] = _PendingCompile(job)
             pending.waiters += 1
         try:
-            return self._wait(pending.future, key[0], limits)
+            return self._wait(pending, key, limits)
         finally:
             with self._lock:
                 pending.waiters -= 1
                 if pending.waiters == 0:
-                    pending.future.cancel()  # a no-op once the compile has started
+                    if self._pending.get(key) is pending:
+                        del self._pending[key]
+                    if not pending.job.done():
+                        self.service.cancel(pending.job)  # kills its process
 
     def _wait(
-        self, future: concurrent.futures.Future, kind: str, limits: CompileLimits
+        self, pending: _PendingCompile, key: tuple[str, str], limits: CompileLimits
     ) -> CompiledStructure:
-        deadline = None if limits.timeout is None else time.monotonic() + limits.timeout
+        deadline = None
+        started = time.monotonic()
+        future = pending.job.future
         while True:
+            if deadline is None and limits.timeout is not None and self.service.ready:
+                deadline = time.monotonic() + limits.timeout  # from when compiles can run
             try:
-                return future.result(timeout=_POLL_S)
+                payload, nbytes = future.result(timeout=_POLL_S)
+                break
             except concurrent.futures.TimeoutError:
                 pass
             except concurrent.futures.CancelledError:
                 raise CompileCancelledError("the compile was cancelled") from None
+            except ValueError as error:
+                raise ValueError(
+                    f"cannot compile the structured_outputs {key[0]} constraint: "
+                    f"{_shorten(str(error))}"
+                ) from None
             if limits.cancelled is not None and limits.cancelled.is_set():
                 raise CompileCancelledError("the caller stopped waiting for the compile")
             if deadline is not None and time.monotonic() >= deadline:
                 raise CompileTimeoutError(
-                    f"the structured_outputs {kind} constraint did not compile within "
+                    f"the structured_outputs {key[0]} constraint did not compile within "
                     f"{limits.timeout:g} s (the compile timeout); simplify the schema or grammar"
                 )
+            if not self.service.ready and time.monotonic() - started > STARTUP_TIMEOUT_S:
+                raise CompilerUnavailableError(
+                    f"the grammar compiler process did not start within {STARTUP_TIMEOUT_S:g} s"
+                )
+        return self._install(pending, key, payload, nbytes)
 
-    def _compile_job(self, key: tuple[str, str]) -> CompiledStructure:
-        try:
-            grammar = self._compile(*key)
-        except ValueError:
-            raise
-        except Exception as error:  # xgrammar raises RuntimeError and friends
-            message = str(error)
-            if len(message) > _MAX_ERROR_CHARS:
-                message = message[:_MAX_ERROR_CHARS] + "..."
-            raise ValueError(
-                f"cannot compile the structured_outputs {key[0]} constraint: {message}"
-            ) from None
-        return CompiledStructure(key, grammar)
+    def _install(
+        self, pending: _PendingCompile, key: tuple[str, str], payload: str, nbytes: int
+    ) -> CompiledStructure:
+        """The first waiter turns the serialized grammar into one and caches it."""
+        import xgrammar as xgr
 
-    def _settle(self, key: tuple[str, str], future: concurrent.futures.Future) -> None:
-        """A compile ended (done, failed or cancelled): cache it, forget it as pending."""
+        with pending.lock:
+            if pending.compiled is None:
+                grammar = xgr.CompiledGrammar.deserialize_json(payload, self.tokenizer_info)
+                pending.compiled = CompiledStructure(key, grammar, nbytes)
+                with self._lock:
+                    self._cache.put(pending.compiled)
+            return pending.compiled
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the cached compiled grammars hold, in bytes."""
         with self._lock:
-            pending = self._pending.get(key)
-            if pending is not None and pending.future is future:
-                del self._pending[key]
-            if future.cancelled() or future.exception() is not None:
-                return
-            self._cache[key] = future.result()
-            self._cache.move_to_end(key)
-            if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            return self._cache.nbytes
 
     def new_matcher(self, compiled: CompiledStructure) -> GrammarMatcher:
         return GrammarMatcher(compiled, self.vocab_size)
 
-    def _compile(self, kind: str, text: str) -> Any:
-        if kind == "json":
-            return self.compiler.compile_json_schema(
-                text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
-            )
-        if kind == "json_object":
-            # Not strict: any object, any properties.
-            return self.compiler.compile_json_schema(
-                text, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False
-            )
-        if kind == "regex":
-            return self.compiler.compile_regex(text)
-        if kind in ("choice", "ebnf"):
-            return self.compiler.compile_grammar(text, root_rule_name="root")
-        if kind == "lark":
-            return self.compiler.compile_lark(text)
-        raise ValueError(f"unknown structured_outputs kind {kind!r}")
+
+def _shorten(message: str) -> str:
+    return message if len(message) <= _MAX_ERROR_CHARS else message[:_MAX_ERROR_CHARS] + "..."
 
 
 def canonical_key(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -416,12 +349,14 @@ def tagged_json_grammar(
     `json` constraint. With `repeat_separator`, one or more matches (at most `max_repeats`)
     joined by that separator.
     Used for forced tool calls (engine/tool_calls.py). ValueError for a schema that cannot be
-    compiled.
+    compiled, or that uses a keyword the grammar would not enforce.
     """
     import xgrammar as xgr
 
     if not alternatives:
         raise ValueError("tagged_json_grammar needs at least one alternative")
+    for before, schema, _ in alternatives:
+        check_enforceable(schema, f"the tool-call schema after {before.strip()[-60:]!r}")
     try:
         options = []
         for before, schema, after in alternatives:

@@ -4,10 +4,13 @@ block asked for (another model, another layout, corrupt, truncated) is never loa
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ from conftest import make_tiny_llama
 
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.engine.config import EngineConfig
+from pagedllm_integrations.engine.private_dir import KEY_FILE
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -242,6 +246,56 @@ def test_a_truncated_or_corrupt_block_file_is_skipped_with_a_warning_never_loade
             assert not corrupt.exists()
             assert all_blocks_free(llm)
         assert any("checksum mismatch" in r.getMessage() for r in caplog.records)
+
+
+def forge_block(path: Path, key: bytes) -> None:
+    """Zero the keys and values of a block file and sign it again with `key`."""
+    data = path.read_bytes()
+    _, _, header_len, payload_len = struct.unpack_from("<8s16sIQ", data)
+    body = data[: 36 + header_len] + bytes(payload_len)
+    path.write_bytes(body + hmac.new(key, body, hashlib.sha256).digest())
+
+
+def test_a_forged_block_file_is_refused_and_the_answer_stays(
+    tiny_llama_dir, tmp_path, prompts, expected, caplog
+):
+    cache = tmp_path / "cache"
+    with LLM(str(tiny_llama_dir), prefix_cache_dir=str(cache), **ENGINE) as llm:
+        saved = llm.save_prefix({"prompt_token_ids": prompts[0]})
+        first = chain_files(llm, prompts[0], saved // BLOCK)[0]
+    original = first.read_bytes()
+    # Other keys and values in the format's own layout, signed without the directory's
+    # secret (anyone can recompute a plain checksum; nobody else can this MAC).
+    forge_block(first, b"not the key" * 3)
+    with (
+        caplog.at_level(logging.WARNING, logger=STORE_LOGGER),
+        LLM(str(tiny_llama_dir), prefix_cache_dir=str(cache), **ENGINE) as llm,
+    ):
+        output = generate(llm, prompts[0])
+        assert output.outputs[0].token_ids == expected[0]
+        assert (
+            output.num_cached_tokens == llm.engine.scheduler_stats().prefix_cache_disk_loaded == 0
+        )
+        assert all_blocks_free(llm)
+    assert any("checksum mismatch" in r.getMessage() for r in caplog.records)
+    # The same forgery signed with the secret (only its owner can read it) is loaded: the
+    # MAC is what keeps it out.
+    first.write_bytes(original)
+    forge_block(first, (cache / KEY_FILE).read_bytes())
+    with LLM(str(tiny_llama_dir), prefix_cache_dir=str(cache), **ENGINE) as llm:
+        generate(llm, prompts[0])
+        assert llm.engine.scheduler_stats().prefix_cache_disk_loaded > 0
+
+
+def test_a_model_folder_that_is_a_link_is_refused(tiny_llama_dir, tmp_path, prompts):
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    with LLM(str(tiny_llama_dir), prefix_cache_dir=str(cache), **ENGINE) as llm:
+        folder = llm.engine.engine.disk_cache.folder
+    # A link would put the files where the size limit does not count them.
+    shutil.move(folder, elsewhere)
+    folder.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ValueError, match="symbolic link"):
+        LLM(str(tiny_llama_dir), prefix_cache_dir=str(cache), **ENGINE)
 
 
 def test_settings_that_cannot_work_are_refused(tmp_path, default_llm):

@@ -4,22 +4,33 @@ or race. Real files in a temporary folder; no model."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import os
+import shutil
+import stat
+import struct
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from pagedllm_integrations.engine.prefix_store import (
     BlockRecord,
     PrefixStore,
     block_file_name,
     prefix_digests,
+    read_header,
 )
+from pagedllm_integrations.engine.private_dir import KEY_FILE
 
+# The documented head of a block file: magic, key id, header bytes, payload bytes.
+PREFIX = struct.Struct("<8s16sIQ")
 SHAPE = (2, 2, 64)  # layers, key/value, elements: 256 bf16 values = 512 bytes
 PAYLOAD_BYTES = 512
 
@@ -112,13 +123,17 @@ def test_the_size_limit_evicts_the_least_recently_used_files_of_every_model(tmp_
 
 
 def test_a_write_in_progress_is_never_read_and_a_dead_writers_leftovers_go(tmp_path):
-    store = make_store(tmp_path)
+    neighbour = make_store(tmp_path, fingerprint="e" * 32)  # the same directory and key
+    write(neighbour, 0)
     record, payload = block(0)
+    # What a writer has written of the file when it dies.
+    head = neighbour.path_of(record.block_hash).read_bytes()[:100]
+    store = make_store(tmp_path)
     final = store.path_of(record.block_hash)
     stale = final.with_name(f".{final.name}.999.dead.tmp")
     fresh = final.with_name(f".{final.name}.998.busy.tmp")
     for leftover in (stale, fresh):
-        leftover.write_bytes(payload.tobytes()[:100])  # half a file, under a temporary name
+        leftover.write_bytes(head)  # half a file, under a temporary name
     assert read(store, 0) is None  # the final name does not exist yet
     two_hours_ago = time.time() - 7200
     os.utime(stale, (two_hours_ago, two_hours_ago))
@@ -175,3 +190,155 @@ def test_blocks_move_out_of_and_into_the_kv_cache_unchanged():
             assert torch.equal(k2[dst], k[src]) and torch.equal(v2[dst], v[src])
         untouched = sorted(set(range(12)) - set(target))
         assert not k2[untouched].any() and not v2[untouched].any()
+
+
+# ------------------------------------------- issue 43: a disk cache that trusts nothing
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_files_are_private_and_hold_no_token_id(tmp_path):
+    root = tmp_path / "cache"
+    store = make_store(root)
+    write(store, 0)
+    record, _ = block(0)
+    path = store.path_of(record.block_hash)
+    assert (mode(root), mode(store.folder)) == (0o700, 0o700)
+    assert mode(path) == mode(store.folder / "model.json") == mode(root / KEY_FILE) == 0o600
+    header = read_header(path)
+    assert set(header) == {"fingerprint", "block_hash", "prefix_mac", "dtype", "shape"}
+    data = path.read_bytes()
+    tokens = np.asarray(record.token_ids, dtype=np.int64)
+    for encoding in (tokens.tobytes(), tokens.astype(np.int32).tobytes(),
+                     json.dumps(list(record.token_ids)).encode()):  # fmt: skip
+        assert encoding not in data
+
+
+def test_a_folder_other_users_can_write_is_refused(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir(mode=0o777)
+    root.chmod(0o777)
+    with pytest.raises(ValueError, match="can be written by other users"):
+        make_store(root)
+    root.chmod(0o755)  # a folder of the user's that others may read: used as it is
+    store = make_store(root)
+    assert mode(root) == 0o755
+    store.folder.chmod(0o775)
+    with pytest.raises(ValueError, match="can be written by other users"):
+        make_store(root)
+    store.folder.chmod(0o755)  # the model folder is the cache's own: made private
+    make_store(root)
+    assert mode(store.folder) == 0o700
+    (root / KEY_FILE).chmod(0o644)
+    with pytest.raises(ValueError, match="mode 600"):
+        make_store(root)
+
+
+def forge(path: Path, payload: bytes, key: bytes) -> None:
+    """Rewrite a block file with another payload and a MAC under `key`."""
+    data = path.read_bytes()
+    _, _, header_len, _ = PREFIX.unpack_from(data)
+    head = data[: PREFIX.size + header_len]
+    body = head + payload
+    path.write_bytes(body + hmac.new(key, body, hashlib.sha256).digest())
+
+
+def test_a_forged_or_foreign_block_file_is_refused(tmp_path, caplog):
+    store = make_store(tmp_path)
+    record, payload = block(0)
+    path = store.path_of(record.block_hash)
+    forged = bytes(PAYLOAD_BYTES)  # other keys and values under the block's own name
+    cases = [
+        # A checksum that anyone can recompute (the file format before keys did this).
+        (lambda: legacy_file(path, record, forged), "not a pagedllm KV block file"),
+        # The whole format, with a MAC under a key that is not the directory's.
+        (lambda: forge(path, forged, b"k" * 32), "checksum mismatch"),
+        # A real file of another cache directory (another key), copied in.
+        (lambda: path.write_bytes(other_directory_file(tmp_path)), "this cache directory's key"),
+    ]
+    for make, why in cases:
+        write(store, 0)
+        make()
+        with caplog.at_level(logging.WARNING):
+            assert read(store, 0) is None
+        assert why in caplog.text
+        assert not path.exists()
+    write(store, 0)
+    assert np.array_equal(read(store, 0), payload)
+
+
+def legacy_file(path: Path, record: BlockRecord, payload: bytes) -> None:
+    """A block file of the format before keys: token ids in clear, a plain xxh3 checksum."""
+    header = json.dumps({"fingerprint": "f" * 32, "block_hash": record.block_hash,
+                         "token_ids": list(record.token_ids), "dtype": "bfloat16",
+                         "shape": list(SHAPE)}).encode()  # fmt: skip
+    body = struct.pack("<8sIQ", b"PAGEDKV1", len(header), len(payload)) + header + payload
+    path.write_bytes(body + xxhash.xxh3_128(body).digest())
+
+
+def other_directory_file(tmp_path: Path) -> bytes:
+    other = make_store(tmp_path / "elsewhere")
+    write(other, 0)
+    return other.path_of(block(0)[0].block_hash).read_bytes()
+
+
+def test_eviction_deletes_only_files_the_cache_wrote(tmp_path):
+    probe = make_store(tmp_path / "probe")
+    write(probe, 0)
+    one_file = probe.path_of(block(0)[0].block_hash).stat().st_size
+    root = tmp_path / "cache"
+    store = make_store(root, max_bytes=int(one_file * 2.5))
+    old = time.time() - 7200
+    users = [
+        root / "project" / "notes.kv",
+        root / "project" / "download.tmp",
+        store.folder / "notes.kv",
+        store.folder / "download.tmp",
+        store.folder / block_file_name(4242),  # a block's name, not the cache's content
+        store.folder / f".{block_file_name(4243)}.1.dead.tmp",  # a writer's name, likewise
+    ]
+    for path in users:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"the user's own bytes" * 100)
+        os.utime(path, (old, old))
+    write(store, 1)
+    os.utime(store.path_of(block(1)[0].block_hash), (old + 60, old + 60))
+    write(store, 2)
+    write(store, 3)  # over the limit: its own oldest file goes, nothing of the user's
+    assert all(path.exists() for path in users)
+    ours = {block_file_name(block(i)[0].block_hash): i for i in (1, 2, 3)}
+    assert sorted(ours[p.name] for p in store.folder.iterdir() if p.name in ours) == [2, 3]
+    assert store.files_evicted == 1
+
+
+def test_links_are_never_followed(tmp_path, caplog):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "cache"
+    store = make_store(root, max_bytes=1 << 20)
+    model = store.folder.name
+    # A model folder that is a link (to a folder the size limit would not see): refused.
+    shutil.rmtree(store.folder)
+    (root / model).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ValueError, match="symbolic link"):
+        make_store(root)
+    (root / model).unlink()
+    store = make_store(root)
+    # A block file that is a link to the user's file: never read, and never written through.
+    record, payload = block(0)
+    precious = outside / "precious.bin"
+    precious.write_bytes(b"keep me" * 100)
+    path = store.path_of(record.block_hash)
+    path.symlink_to(precious)
+    with caplog.at_level(logging.WARNING):
+        assert read(store, 0) is None
+    assert "a link is never followed" in caplog.text and not path.is_symlink()
+    path.symlink_to(precious)
+    write(store, 0)  # the link is replaced by a file, its target is untouched
+    assert not path.is_symlink() and np.array_equal(read(store, 0), payload)
+    assert precious.read_bytes() == b"keep me" * 100
+    # A link as the key: refused.
+    (root / KEY_FILE).unlink()
+    (root / KEY_FILE).symlink_to(precious)
+    with pytest.raises(ValueError, match="link"):
+        make_store(root)

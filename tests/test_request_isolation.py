@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from compiler_processes import SLOW_REGEX, compile_children, wait_for
 
 from pagedllm_integrations import SamplingParams
 from pagedllm_integrations.chat.prepare import prepare_chat
@@ -219,33 +220,24 @@ def test_model_output_cannot_recurse_or_backtrack_the_parsers():
 
 
 # ------------------------------------------------------------- compiles: time, cancel
-def test_compiles_time_out_and_are_dropped_when_nobody_waits(engine):
+def test_compiles_time_out_and_are_killed_when_nobody_waits(engine):
     manager = engine._inputs.structured_outputs
-    gate = threading.Event()
-    blocker = manager._worker.submit(gate.wait)  # holds the one compile thread
-    try:
-        spec = StructuredOutputsParams(json={"type": "object", "properties": {"t1": {}}})
-        with compile_limits(timeout=0.2), pytest.raises(CompileTimeoutError, match=r"0\.2 s"):
-            manager.compile(spec)
-        cancelled = threading.Event()
-        cancelled.set()
-        other = StructuredOutputsParams(json={"type": "object", "properties": {"t2": {}}})
-        with (
-            compile_limits(timeout=None, cancelled=cancelled),
-            pytest.raises(CompileCancelledError),
-        ):
-            manager.compile(other)
-    finally:
-        gate.set()
-        blocker.result()
-    # Neither waited-for compile ran: nobody was waiting when the thread came free.
-    deadline = time.monotonic() + 30
-    while manager._pending and time.monotonic() < deadline:
-        time.sleep(0.05)
+    manager.compile(StructuredOutputsParams(regex="[0-9]{2}"))  # the compiler process is up
+    spec = StructuredOutputsParams(regex=SLOW_REGEX)
+    with compile_limits(timeout=0.2), pytest.raises(CompileTimeoutError, match=r"0\.2 s"):
+        manager.compile(spec)
+    cancelled = threading.Event()
+    cancelled.set()
+    other = StructuredOutputsParams(regex=SLOW_REGEX + "x")
+    with compile_limits(timeout=None, cancelled=cancelled), pytest.raises(CompileCancelledError):
+        manager.compile(other)
+    # Neither compile runs on: nobody waits for them any more.
+    assert wait_for(lambda: not compile_children(manager.service))
     assert not manager._pending
     assert canonical_key(spec) not in manager._cache
     assert canonical_key(other) not in manager._cache
-    assert manager.compile(spec).key == canonical_key(spec)  # and it compiles when asked again
+    fast = StructuredOutputsParams(json={"type": "object", "properties": {"t1": {}}})
+    assert manager.compile(fast).key == canonical_key(fast)  # and the next one compiles
 
 
 # -------------------------------------------------------------------- forged turns

@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from compiler_processes import SLOW_REGEX, compile_children, wait_for
 
 from pagedllm_integrations import SamplingParams
 from pagedllm_integrations.chat.prepare import prepare_chat
@@ -231,14 +232,11 @@ def test_schemas_and_compiles_are_bounded_and_off_the_loop(server, engine, solo,
             assert_4xx(http.post(CHAT, json=body), limit)
 
 
-def test_a_compile_times_out_and_is_dropped_when_the_client_leaves(server, engine, http):
+def test_a_compile_times_out_and_is_killed_when_the_client_leaves(server, engine, http):
     state = server.app.state.server
     manager = engine._inputs.structured_outputs
-    gate = threading.Event()
-    blocker = manager._worker.submit(gate.wait)  # the compile thread is busy: compiles queue
-    schemas = [
-        {"type": "object", "properties": {f"timeout{i}": {"type": "integer"}}} for i in (1, 2)
-    ]
+    # Each compiles for minutes (a pattern within the request limits).
+    schemas = [{"type": "string", "pattern": SLOW_REGEX + suffix} for suffix in ("1", "2")]
     bodies = [
         {
             "messages": USER,
@@ -254,17 +252,16 @@ def test_a_compile_times_out_and_is_dropped_when_the_client_leaves(server, engin
         state.limits.compile_timeout = None  # no timeout: only the client's leaving ends it
         with pytest.raises(httpx.ReadTimeout):
             http.post(CHAT, json=bodies[1], timeout=1.0)
-        deadline = time.monotonic() + 30
-        while (state.in_flight or manager._pending) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert state.in_flight == 0 and not manager._pending
+        assert wait_for(lambda: not (state.in_flight or manager._pending))
     finally:
         state.limits.compile_timeout = saved
-        gate.set()
-        blocker.result()
-    for schema in schemas:  # neither compile ever ran: nobody waited for it any more
+    # Neither compile runs on once nobody waits for it; neither is cached.
+    assert wait_for(lambda: not compile_children(manager.service))
+    for schema in schemas:
         assert canonical_key(StructuredOutputsParams(json=schema)) not in manager._cache
-    assert http.post(CHAT, json=bodies[1]).status_code == 200  # and asked again, it does
+    fast = {"type": "object", "properties": {"after_the_timeouts": {"type": "integer"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": fast}}
+    assert http.post(CHAT, json={**bodies[1], "response_format": rf}).status_code == 200
     wait_until_free(engine)
 
 
