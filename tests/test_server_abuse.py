@@ -3,10 +3,10 @@ against the real server, and the fix shown.
 
 Fast (in the default suite): raw-socket clients against a server with short timeouts and
 small connection caps; prompts far past the context; a large response held mid-encoding
-while /health answers; shutdown with and without a grace period. Slow (`-m slow`): the
-issue's own sizes against `pagedllm serve` in a process of its own (256 file descriptors,
-300 half-sent requests, 16 chats of 4 MiB, n=128 x 256 tokens x 20 logprobs, SIGTERM with
-long streams).
+while /health answers. Slow (`-m slow`): the issue's own sizes against `pagedllm serve` in a
+process of its own (256 file descriptors, 300 half-sent requests, a 4 GiB Content-Length,
+16 chats of 4 MiB) and n=128 x 256 tokens x 20 logprobs. Shutdown: test_server_shutdown.py;
+fields: test_server_fields.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from contextlib import closing
 
 import httpx
 import pytest
+from served import Served
 
 from pagedllm_integrations import EngineConfig, shared_engine
 from pagedllm_integrations.server import responses
@@ -255,70 +256,112 @@ def test_the_piecewise_encoding_is_starlettes_byte_for_byte():
     assert responses.encode_json({"choices": []}) == JSONResponse({"choices": []}).body
 
 
-# ---------------------------------------------------------------- shutdown
-LONG_STREAM = {
-    "prompt": "Once upon a time",
-    "max_tokens": 480,
-    "ignore_eos": True,
-    "temperature": 0,
-    "stream": True,
-}
+# ---------------------------------------------------------------- slow: the issue's sizes
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    server = Served(tmp_path_factory.mktemp("serve"))
+    yield server
+    server.stop()
 
 
-def stream_events(url: str, body: dict, started: threading.Event, events: list) -> None:
-    """Read a whole stream into `events` (parsed data lines, and "[DONE]")."""
-    with (
-        httpx.Client(base_url=url, timeout=WAIT_S * 2) as http,
-        http.stream("POST", COMPLETIONS, json=body) as response,
-    ):
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-                started.set()
+def chat_body(content: str, **fields) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 8, **fields}
 
 
-def run_shutdown(engine, shutdown_timeout: float, signals: int, body: dict) -> list:
-    """Start a stream, send `signals` shutdown requests (what SIGTERM does) once it runs,
-    and return its events; the server must have stopped and every KV block be free."""
-    app = create_app(engine, connection_limits=QUICK)
-    server = ThreadedServer(app, shutdown_timeout=shutdown_timeout).start()
-    started, events = threading.Event(), []
-    reader = threading.Thread(target=stream_events, args=(server.url, body, started, events))
-    reader.start()
+def outcome(sock: socket.socket) -> int | str:
     try:
-        assert started.wait(WAIT_S)
-        for _ in range(signals):
-            server.request_shutdown()
-        reader.join(WAIT_S * 2)
-        server.thread.join(WAIT_S)
-        assert not reader.is_alive() and not server.thread.is_alive()
+        return status_and_error(read_until_closed(sock))[0]
+    except ConnectionResetError:
+        return "reset"
+
+
+@pytest.mark.slow
+def test_300_half_sent_requests_cannot_starve_a_server_of_256_descriptors(served):
+    held = []
+    try:
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-")
+            held.append(sock)
+        with served.client("127.0.0.2") as other:
+            assert other.get("/health").status_code == 200
+            answer = other.post("/v1/chat/completions", json=chat_body("Hi"))
+            assert answer.status_code == 200, answer.text
+        # Every one of the 300 ends: the ones past the per-client cap at once (429, or a
+        # reset once too many are being refused at once), the others when the header
+        # timeout passes (408); none stays open.
+        outcomes = [outcome(sock) for sock in held]
     finally:
-        server.stop()
-    with pytest.raises(httpx.ConnectError):  # it admits nothing more
-        httpx.get(server.url + "/health", timeout=5)
-    assert engine.num_free_blocks() == engine.num_total_blocks()
-    return events
+        for sock in held:
+            sock.close()
+    per_client = 96  # half of (256 descriptors - 64 kept for the rest)
+    assert outcomes.count(408) == per_client
+    assert outcomes.count(429) + outcomes.count("reset") == 300 - per_client
+    assert outcomes.count(429) >= 32  # the refusals that linger are read in full
 
 
-def finish_reason(events: list) -> str:
-    assert events[-1] == "[DONE]", events[-3:]  # a clean end of stream
-    return events[-2]["choices"][0]["finish_reason"]
+@pytest.mark.slow
+def test_a_4_gib_content_length_is_answered(served):
+    with closing(socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S)) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + served.key.encode()
+            + b"\r\nContent-Length: 4294967296\r\n\r\n"
+        )
+        assert read_response(sock)[0] == 413
 
 
-def test_shutdown_lets_a_running_stream_finish_within_the_grace_period(engine):
-    short = {**LONG_STREAM, "max_tokens": 24}
-    events = run_shutdown(engine, shutdown_timeout=WAIT_S, signals=1, body=short)
-    assert finish_reason(events) == "length"
-    assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) > 1
+@pytest.mark.slow
+def test_16_chats_of_4_mb_are_refused_while_a_normal_chat_is_served(served):
+    huge = "lorem ipsum dolor " * 222_000  # 4.0 MB, under the 4 MiB body limit
+    results: dict[int, httpx.Response] = {}
+
+    def send(index: int, body: dict) -> None:
+        with served.client() as http:
+            results[index] = http.post("/v1/chat/completions", json=body)
+
+    threads = [threading.Thread(target=send, args=(i, chat_body(huge))) for i in range(16)]
+    threads.append(threading.Thread(target=send, args=(16, chat_body("Say hello."))))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    for index in range(16):
+        error = results[index].json()["error"]
+        assert results[index].status_code == 400 and "characters" in error["message"]
+    assert results[16].status_code == 200, results[16].text
 
 
-def test_shutdown_aborts_a_stream_past_the_grace_period(engine):
-    events = run_shutdown(engine, shutdown_timeout=0.5, signals=1, body=LONG_STREAM)
-    assert finish_reason(events) == "abort"
+@pytest.mark.slow
+def test_a_47_mb_response_is_encoded_while_health_answers(quick, monkeypatch):
+    """n=128 x 256 tokens x 20 top logprobs, held mid-encoding until /health answered."""
+    entered, health_answered = threading.Event(), threading.Event()
+    real = responses.encode_json
 
+    def held_encode(payload):
+        entered.set()
+        assert health_answered.wait(600)
+        return real(payload)
 
-def test_a_second_shutdown_signal_aborts_at_once(engine):
-    # A grace period far longer than the stream: only the second signal can end it early.
-    events = run_shutdown(engine, shutdown_timeout=3600, signals=2, body=LONG_STREAM)
-    assert finish_reason(events) == "abort"
+    monkeypatch.setattr(responses, "encode_json", held_encode)
+    body = {**chat_body("Tell a story."), "n": 128, "max_tokens": 256, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 20}  # fmt: skip
+    result: dict = {}
+
+    def post() -> None:
+        with httpx.Client(base_url=quick.url, timeout=1200) as http:
+            result["response"] = http.post(CHAT, json=body)
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    assert entered.wait(1200)
+    with httpx.Client(base_url=quick.url, timeout=WAIT_S) as http:
+        assert http.get("/health").status_code == 200
+    health_answered.set()
+    poster.join(1200)
+    response = result["response"]
+    assert response.status_code == 200 and len(response.content) > 40 << 20
+    choices = response.json()["choices"]
+    assert len(choices) == 128
+    assert all(len(c["logprobs"]["content"]) == 256 for c in choices)
+    assert all(len(t["top_logprobs"]) == 20 for t in choices[0]["logprobs"]["content"])

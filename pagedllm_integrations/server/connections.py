@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 # engine's pipes, the connections being answered with a refusal).
 _RESERVED_FDS = 64
 _PER_CLIENT_CEILING = 256
+# A refused connection is answered, half-closed and read (and dropped) for a moment before it
+# closes: closing a socket with unread bytes resets it, and the client may lose the answer.
+# Only so many linger at once; past that a refused connection closes at once.
+_LINGER_S = 2.0
+_MAX_LINGERING = 32
 
 
 def descriptor_limit() -> int:
@@ -98,6 +103,7 @@ class ConnectionCounter:
         self.total = 0
         self.per_client: Counter[str] = Counter()
         self.refused = 0
+        self.lingering = 0
 
     def admit(self, host: str | None) -> tuple[int, str, str] | None:
         """Count a new connection in, or say why not: (status, message, code)."""
@@ -154,6 +160,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._admitted = False
+            self._lingering = False
             self._head_timer: asyncio.TimerHandle | None = None
             self._head_bytes = 0  # bytes of the request head received so far
 
@@ -165,12 +172,26 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
                 counter.refused += 1
                 logger.info("refused a connection from %s: %s", host, refusal[1])
                 transport.write(raw_response(*refusal))
-                transport.close()
+                self._close_lingering()
                 return
             self._admitted = True
             self._arm_head_timer()
 
+        def _close_lingering(self) -> None:
+            """Half-close after the answer and drop what arrives for a moment, then close."""
+            transport = self.transport
+            if counter.lingering >= _MAX_LINGERING or not transport.can_write_eof():
+                transport.close()
+                return
+            counter.lingering += 1
+            self._lingering = True
+            transport.write_eof()
+            self._head_timer = self.loop.call_later(_LINGER_S, transport.close)
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._lingering:
+                self._lingering = False
+                counter.lingering -= 1
             self._cancel_head_timer()
             if self._admitted:
                 self._admitted = False
@@ -178,6 +199,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # a refused connection: its request is not read
             waiting_for_head = self.conn.their_state is h11.IDLE
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # a whole head arrived
@@ -214,6 +237,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
                         "header_timeout",
                     )
                 )
-            self.transport.close()
+            self._admitted = False
+            counter.release(self.client[0] if self.client else None)
+            self._close_lingering()
 
     return GuardedH11Protocol
