@@ -39,15 +39,11 @@ _POLL_S = 0.05
 
 
 def server_config(
-    app: FastAPI,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    log_level: str = "warning",
-    limits: ConnectionLimits | None = None,
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
 ) -> uvicorn.Config:
-    """The uvicorn configuration for `app`: its connection limits (the ones create_app was
-    given unless `limits` says otherwise) on the guarded h11 protocol."""
-    limits = limits or getattr(app.state, "connection_limits", None) or ConnectionLimits()
+    """The uvicorn configuration for `app`: the connection limits create_app was given, on
+    the guarded h11 protocol."""
+    limits = getattr(app.state, "connection_limits", None) or ConnectionLimits()
     return uvicorn.Config(
         app,
         host=host,
@@ -112,8 +108,9 @@ class GracefulServer(uvicorn.Server):
         for connection in list(self.server_state.connections):
             connection.shutdown()  # idle ones close; busy ones close after their response
         if state is not None:
+            # in_flight counts requests still being prepared too: they get the grace period.
             deadline = time.monotonic() + self.shutdown_timeout
-            while state.open_calls and not self.abort_now.is_set():
+            while state.in_flight and not self.abort_now.is_set():
                 if time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(_POLL_S)

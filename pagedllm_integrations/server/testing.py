@@ -16,7 +16,6 @@ import time
 
 from fastapi import FastAPI
 
-from .connections import ConnectionLimits
 from .defaults import DEFAULT_SHUTDOWN_TIMEOUT_S
 from .runner import GracefulServer, server_config
 
@@ -27,10 +26,9 @@ class ThreadedServer:
         app: FastAPI,
         host: str = "127.0.0.1",
         port: int = 0,
-        limits: ConnectionLimits | None = None,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     ):
-        config = server_config(app, host=host, port=port, limits=limits)
+        config = server_config(app, host=host, port=port)
         self.app = app
         self.server = GracefulServer(config, shutdown_timeout=shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, name="pagedllm-http", daemon=True)
