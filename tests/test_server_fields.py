@@ -169,6 +169,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http, engine):
     reference = offline_completion(http, ids[-10:])
     assert truncated["usage"]["prompt_tokens"] == 10
     assert truncated["choices"][0]["text"] == reference["choices"][0]["text"]
+    echoed = offline_completion(http, prompt, truncate_prompt_tokens=10, echo=True)
+    kept = engine.tokenizer.decode(ids[-10:])
+    assert echoed["choices"][0]["text"] == kept + reference["choices"][0]["text"]
     as_chat = ok(chat(http, truncate_prompt_tokens=5, max_tokens=2))
     assert as_chat["usage"]["prompt_tokens"] == 5
     # Past the context, the bound and the exact count both give way to truncation.

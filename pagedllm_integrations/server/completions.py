@@ -110,7 +110,14 @@ async def create_completion(
             )
             for index, prompt in enumerate(prompts)
         ]
-        echoes.extend(_echo_text(state, p) if body.echo else "" for p in prompts)
+        if body.echo:  # the prompt as the model saw it (truncated, when it was)
+            cut = body.truncate_prompt_tokens is not None
+            echoes.extend(
+                _echo_text(state, list(g.prompt_token_ids) if cut else p)
+                for g, p in zip(groups, prompts, strict=True)
+            )
+        else:
+            echoes.extend("" for _ in prompts)
         return groups
 
     try:
