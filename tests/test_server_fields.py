@@ -72,6 +72,15 @@ def test_an_unknown_field_is_refused_by_name(http, engine):
         refused(chat(client, use_beam_search=True), "use_beam_search")
 
 
+def test_a_message_field_that_would_be_dropped_is_refused(http):
+    history = [*USER, {"role": "assistant", "content": "Red.", "refusal": None}, *USER]
+    ok(http.post(CHAT, json={"messages": history, "max_tokens": 2}))
+    history[1]["reasoning_content"] = "The user wants a colour."
+    refused(http.post(CHAT, json={"messages": history}), "messages[1].reasoning_content")
+    odd = [{**USER[0], "weight": 2}]
+    refused(http.post(CHAT, json={"messages": odd}), "messages[0].weight")
+
+
 @pytest.mark.parametrize(
     ("name", "asks", "neutral"),
     [
@@ -144,6 +153,19 @@ def test_guided_regex_and_json_schemas_constrain_the_answer(http):
                    {"json_schema": schema}, {"structured_outputs": {"json": schema}}):  # fmt: skip
         value = json.loads(content(ok(chat(http, max_tokens=40, **fields))))
         assert value["colour"] in COLOURS and isinstance(value["count"], int), fields
+
+
+def test_response_format_constrains_a_completion_too(http):
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "enum": COLOURS}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    body = {"prompt": "A colour as JSON:", "max_tokens": 20, "response_format": response_format}
+    text = ok(http.post(COMPLETIONS, json={**body, **GREEDY}))["choices"][0]["text"]
+    assert json.loads(text)["colour"] in COLOURS
 
 
 def test_two_constraints_or_a_foreign_backend_are_refused(http):

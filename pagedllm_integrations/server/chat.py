@@ -24,7 +24,7 @@ from ..engine.tool_formats import template_text
 from .chat_stream import choice_logprobs, stream_chat
 from .errors import APIError
 from .legacy_functions import history_message, legacy_message, tools_and_choice
-from .peer_fields import check_fields
+from .peer_fields import check_fields, check_message_fields
 from .protocol import ChatCompletionRequest, ChatMessage
 from .requests import check_priority, response_id_of, truncated
 from .responses import json_response
@@ -138,6 +138,7 @@ async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, request: Request
 ) -> Response:
     check_fields(body, state.limits.allow_unknown_fields)
+    check_message_fields(body.messages, state.limits.allow_unknown_fields)
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")

@@ -180,3 +180,36 @@ def check_fields(body: Any, allow_unknown: bool) -> None:
                 param=name,
                 code="unknown_field",
             )
+
+
+# Fields of a chat message besides role, content, name, tool_calls, tool_call_id and the
+# legacy function_call: what OpenAI's responses carry (and clients send back in the history)
+# is accepted when empty; reasoning text is not passed to the template, so it is refused.
+NO_REASONING_HISTORY = "reasoning in the history is not passed to the template"
+MESSAGE_FIELDS: dict[str, Refused] = {
+    "refusal": Refused("a refusal in the history is not passed to the template", empty),
+    "audio": Refused("audio is not supported", empty),
+    "annotations": Refused("annotations are not passed to the template", empty),
+    "reasoning_content": Refused(NO_REASONING_HISTORY, empty),
+    "reasoning": Refused(NO_REASONING_HISTORY, empty),
+}
+
+
+def check_message_fields(messages: list[Any], allow_unknown: bool) -> None:
+    """APIError 400 naming the first message field that is not honoured (see check_fields)."""
+    for index, message in enumerate(messages):
+        for name, value in (message.model_extra or {}).items():
+            where = f"messages[{index}].{name}"
+            refused = MESSAGE_FIELDS.get(name)
+            if refused is not None:
+                if not refused.neutral(value, {}):
+                    raise APIError(400, f"{where} is not supported: {refused.reason}",
+                                   param=where, code="unsupported_field")  # fmt: skip
+            elif not allow_unknown:
+                raise APIError(
+                    400,
+                    f"unknown field {where}: remove it (or start the server with "
+                    "--allow-unknown-fields)",
+                    param=where,
+                    code="unknown_field",
+                )

@@ -134,7 +134,8 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(_Request):
+    # Undeclared fields are kept to be refused by name (peer_fields.check_message_fields).
     # "function": a legacy function result (OpenAI's `functions` API), read as a tool result.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
