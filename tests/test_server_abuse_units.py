@@ -193,3 +193,35 @@ def test_a_template_sees_no_environment_variables(monkeypatch):
     assert text == "hi"
     with pytest.raises(TemplateRenderError, match=r"unsafe|undefined|has no attribute"):
         render_in_sandbox("{{ cycler.__init__.__globals__.os.environ }}", {}, 5)
+
+
+# ------------------------------------------------------------------ the defaults
+def test_serve_defaults_are_the_documented_ones():
+    import argparse
+
+    from pagedllm_integrations.server.cli import add_arguments
+    from pagedllm_integrations.server.connections import (
+        ConnectionLimits,
+        default_max_connections,
+        default_max_per_client,
+        descriptor_limit,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, "serve")
+    args = parser.parse_args([])
+    assert (args.header_timeout, args.body_timeout, args.keep_alive_timeout) == (10, 30, 5)
+    assert args.shutdown_timeout == 30 and args.allow_unknown_fields is False
+    assert args.max_connections is None and args.max_connections_per_client is None
+    assert args.api_key is None and args.api_key_file is None
+    # No caps given: from the descriptor limit, so one address never holds them all.
+    assert (default_max_connections(256), default_max_per_client(192)) == (192, 96)
+    assert (default_max_connections(1024), default_max_per_client(960)) == (960, 256)
+    total = default_max_connections(descriptor_limit())
+    assert ConnectionLimits().resolved() == (total, default_max_per_client(total))
+    assert ConnectionLimits(max_connections=0, max_connections_per_client=0).resolved() == (
+        None,
+        None,
+    )
+    with pytest.raises(ValueError, match="header_timeout"):
+        ConnectionLimits(header_timeout=0)
