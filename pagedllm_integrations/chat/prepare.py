@@ -3,6 +3,7 @@ described in it), tokenized, and its sampling settings with the tool plan's cons
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,10 @@ from ..engine.sampling_params import SamplingParams, StructuredOutputsParams
 from ..engine.tool_calls import render_chat_prompt
 from .errors import ChatRequestError
 from .special_tokens import ContentGuard
+from .template_sandbox import SandboxedTemplate, TemplateRenderError
 from .tool_choice import ToolPlan, plan_tools
+
+_MAX_ERROR_CHARS = 500
 
 
 @dataclass(slots=True)
@@ -71,14 +75,22 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> str:
     """The prompt text for OpenAI-style messages. ValueError when the template refuses the
-    conversation (its raise_exception, or a message shape it indexes into)."""
+    conversation (its raise_exception, or a message shape it indexes into).
+
+    chat_template: a template from an untrusted caller, used instead of the model's and
+    rendered in a separate, limited process (template_sandbox.py).
+    """
     from jinja2 import TemplateError
 
+    tokenizer = client.tokenizer
+    if chat_template is not None:
+        tokenizer = SandboxedTemplate(tokenizer, chat_template)
     try:
         return render_chat_prompt(
-            client.tokenizer,
+            tokenizer,
             messages,
             tools=tools,
             tool_choice=tool_choice,
@@ -86,10 +98,19 @@ def render_chat(
             template_kwargs=template_kwargs,
             tool_format=client.tool_format,
         )
+    except TemplateRenderError as error:
+        raise ChatRequestError(str(error), "chat_template") from error
     except (TemplateError, TypeError, KeyError, IndexError) as error:
         raise ChatRequestError(
             f"the chat template rejected the messages: {error}", "messages"
         ) from error
+    except ChatRequestError:
+        raise
+    except ValueError as error:  # transformers' checks quote the whole rendered prompt
+        message = str(error)
+        if len(message) <= _MAX_ERROR_CHARS:
+            raise
+        raise ChatRequestError(message[:_MAX_ERROR_CHARS] + " [...]", "messages") from error
 
 
 def prompt_token_ids(
@@ -111,6 +132,9 @@ def prepare_chat(
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     split_special_tokens: bool = True,
+    chat_template: str | None = None,
+    add_special_tokens: bool = False,
+    check_rendered: Callable[[str], None] | None = None,
 ) -> ChatPrompt:
     """Plan the tools, render and tokenize (any thread: the engine is not touched).
 
@@ -118,7 +142,11 @@ def prepare_chat(
     output in `options` so the tools/structure rule sees it. split_special_tokens (the
     default): special-token strings inside message content and tools are tokenized as
     text, so a message cannot forge a chat turn (chat/special_tokens.py); False lets them
-    become the model's control tokens.
+    become the model's control tokens. chat_template: the caller's template instead of the
+    model's (rendered in a sandbox, see `render_chat`). add_special_tokens: the tokenizer's
+    BOS/EOS around the rendered prompt too (most templates write them already).
+    check_rendered: called with the rendered text before it is tokenized (the server
+    refuses a prompt that cannot fit there, without tokenizing it).
     """
     plan = (options or ChatOptions()).plan(client.tool_format)
     check_message_text(messages)
@@ -130,10 +158,15 @@ def prepare_chat(
         plan.tool_choice,
         add_generation_prompt=add_generation_prompt,
         template_kwargs=template_kwargs,
+        chat_template=chat_template,
     )
+    plain = guard.unmark(text)[0] if guard is not None else text
+    if check_rendered is not None:
+        check_rendered(plain)
     token_ids = prompt_token_ids(client, text, guard)
-    if guard is not None:
-        text = guard.unmark(text)[0]
+    if add_special_tokens:
+        token_ids = list(client.tokenizer.build_inputs_with_special_tokens(token_ids))
+    text = plain
     params = params.clone(structured_outputs=plan.constraint)
     return ChatPrompt(text, token_ids, params, plan)
 

@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI's routes over one `AsyncEngine`, plus /health and /metrics.
 
 from pagedllm_integrations.server.app import create_app
+from pagedllm_integrations.server.runner import GracefulServer, server_config
 app = create_app(engine, served_model_name="smol", api_key=None)
-uvicorn.run(app, host="127.0.0.1", port=8000)
+GracefulServer(server_config(app, host="127.0.0.1", port=8000)).run()
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..engine.client import DEFAULT_STALL_SECONDS, EngineClient
 from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from .chat import create_chat_completion
 from .completions import create_completion
+from .connections import ConnectionLimits
 from .errors import APIError, GuardedRoute, install_error_handlers
 from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from .metrics import PrometheusStatLogger
@@ -45,6 +47,8 @@ def create_app(
     compile_timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S,
     report_cached_tokens: bool = True,
     health_stall_timeout: float = DEFAULT_STALL_SECONDS,
+    connection_limits: ConnectionLimits | None = None,
+    allow_unknown_fields: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
@@ -57,6 +61,11 @@ def create_app(
     report_cached_tokens: report prefix-cache hits in `usage` (turn off on a server shared
         by tenants that must not learn about each other's prompts; see also `cache_salt`).
     health_stall_timeout: /health answers 503 once an engine step has run this long.
+    connection_limits: timeouts and connection caps (connections.py); the body timeout is
+        applied here, the rest by the server that runs the app (runner.py).
+    allow_unknown_fields: accept (and ignore) request fields no known server defines;
+        by default they are a 400 naming them. Known fields pagedllm cannot honour are
+        always a 400.
     """
     if max_queue_len is not None and max_queue_len < 1:
         raise ValueError(f"max_queue_len must be >= 1 (or None for no limit), got {max_queue_len}")
@@ -67,7 +76,10 @@ def create_app(
     model_name = served_model_name or engine.model_name
     metrics = PrometheusStatLogger(model_name)
     engine.add_stat_logger(metrics)
-    limits = ServerLimits(compile_timeout, report_cached_tokens, health_stall_timeout)
+    connection_limits = connection_limits or ConnectionLimits()
+    limits = ServerLimits(
+        compile_timeout, report_cached_tokens, health_stall_timeout, allow_unknown_fields
+    )
     state = ServerState(engine, model_name, metrics, max_queue_len, limits)
 
     @asynccontextmanager
@@ -85,8 +97,14 @@ def create_app(
     # Unexpected errors in a route answer a generic 500 there (see GuardedRoute).
     app.router.route_class = GuardedRoute
     app.state.server = state
+    app.state.connection_limits = connection_limits
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        body_timeout=connection_limits.body_timeout,
+    )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -112,6 +130,8 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         # Flags only, no engine call: it must answer at once however busy the engine is.
+        if state.draining:  # a load balancer stops sending requests here
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         problem = engine.health(limits.health_stall_timeout)
         if problem is not None:
             raise APIError(503, problem)

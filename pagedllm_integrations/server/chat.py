@@ -1,37 +1,53 @@
 """POST /v1/chat/completions: the chat layer (chat/) behind OpenAI's request and response
-shapes. With tools on offer, a stream holds back only the text that may be a tool call
-(the chat layer's gate); OpenAI's clients expect a call as `tool_calls`, never as content.
+shapes, with vLLM's chat extras (add_generation_prompt, continue_final_message, echo,
+chat_template, chat_template_kwargs, documents) and OpenAI's legacy `functions`. With tools
+on offer, a stream holds back only the text that may be a tool call (the chat layer's gate);
+OpenAI's clients expect a call as `tool_calls`, never as content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
-from ..chat.logprobs import chat_logprobs
 from ..chat.outputs import ChatChoice, Usage, read_choice
 from ..chat.prepare import ChatOptions, ChatPrompt, prepare_chat
-from ..chat.stream import ChoiceStream
-from ..chat.tool_choice import ToolPlan
 from ..engine.output_processor import RequestGroup
 from ..engine.request_limits import check_schema
-from .errors import APIError, sse_error
+from ..engine.tool_formats import template_text
+from .chat_stream import choice_logprobs, stream_chat
+from .errors import APIError
+from .legacy_functions import history_message, legacy_message, tools_and_choice
+from .peer_fields import check_fields, check_message_fields
 from .protocol import ChatCompletionRequest, ChatMessage
-from .sampling import build_sampling_params, response_format_constraint
-from .serving import (
-    SSE_DONE,
-    ClientGone,
-    EngineCall,
-    ServerState,
-    finals_unless_disconnected,
-    new_id,
-    sse,
-)
+from .requests import check_priority, response_id_of, truncated
+from .responses import json_response
+from .sampling import build_sampling_params, requested_max_tokens
+from .serving import ClientGone, ServerState, finals_unless_disconnected, new_id
+from .structured import request_constraint
+
+# Keys apply_chat_template takes itself: a template variable of these names is a 400.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+     "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+     "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length"}
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class ChatCall:
+    """What the response needs to know about the request beyond its body."""
+
+    response_id: str
+    echo: str  # text prepended to each choice's content (vLLM's chat `echo`), or ""
+    legacy: bool  # answer tool calls as a legacy `function_call`
+    prompt: ChatPrompt | None = None
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -52,7 +68,9 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
-    return out
+    if message.function_call is not None:
+        _arguments_text(message.function_call.arguments)  # the same bounds as tool calls
+    return history_message(out, message.function_call)
 
 
 def _arguments_text(arguments: str | dict[str, Any]) -> str:
@@ -65,30 +83,74 @@ def _arguments_text(arguments: str | dict[str, Any]) -> str:
     return json.dumps(arguments)
 
 
-def _prepare(state: ServerState, body: ChatCompletionRequest, params) -> ChatPrompt:
-    """The conversation rendered, tokenized, its tools planned (off the event loop)."""
-    choice = body.tool_choice
-    options = ChatOptions(
-        tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-        tool_choice=choice if choice is None or isinstance(choice, str) else choice.model_dump(),
-        structured=response_format_constraint(body.response_format),
-        parallel_tool_calls=bool(body.parallel_tool_calls),
-    )
-    messages = [_message_dict(m) for m in body.messages]
-    return prepare_chat(
-        state.engine, messages, params, options, split_special_tokens=body.split_special_tokens
-    )
+def _template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs and documents as template variables. One the template never
+    reads would be silently ignored, so it is a 400 (a name it does not mention)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {reserved}: they are request "
+                       "fields of their own", param="chat_template_kwargs")  # fmt: skip
+    template = body.chat_template or template_text(state.engine.tokenizer)
+    unread = [key for key in kwargs if not re.search(rf"\b{re.escape(key)}\b", template)]
+    if unread:
+        raise APIError(400, f"chat_template_kwargs {unread} are not read by the chat template, "
+                       "so they would change nothing", param="chat_template_kwargs")  # fmt: skip
+    if body.documents is not None and not re.search(r"\bdocuments\b", template):
+        raise APIError(400, "documents are not read by the chat template, so they would "
+                       "change nothing", param="documents")  # fmt: skip
+    try:
+        check_schema(kwargs, "chat_template_kwargs")
+        if body.documents is not None:
+            check_schema(body.documents, "documents")
+    except ValueError as error:
+        raise APIError(400, str(error), param="chat_template_kwargs") from None
+    if body.documents is not None:
+        kwargs["documents"] = body.documents
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs
+
+
+def _generation_prompt(body: ChatCompletionRequest) -> bool:
+    """add_generation_prompt, which continue_final_message turns off (both: a 400, as vLLM)."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt
+    if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
+                       "true", param="continue_final_message")  # fmt: skip
+    if body.messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message needs an assistant message last",
+                       param="continue_final_message")  # fmt: skip
+    return False
+
+
+def _echo_text(body: ChatCompletionRequest, generation_prompt: bool) -> str:
+    """vLLM's chat echo: the last message's text when the answer continues its role."""
+    if not body.echo:
+        return ""
+    last = body.messages[-1]
+    role = "assistant" if generation_prompt else last.role
+    return (last.text() or "") if last.role == role else ""
 
 
 async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, request: Request
 ) -> Response:
+    check_fields(body, state.limits.allow_unknown_fields)
+    check_message_fields(body.messages, state.limits.allow_unknown_fields)
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    max_tokens = (
+    given = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
+    max_tokens, max_given = requested_max_tokens(body, given)
+    check_priority(state, body.priority)
+    generation_prompt = _generation_prompt(body)
+    tools, tool_choice, legacy = tools_and_choice(body)
+    constraint = request_constraint(body)
+    template_kwargs = _template_kwargs(state, body)
     params = build_sampling_params(
         state.engine.model_info,
         body,
@@ -96,15 +158,34 @@ async def create_chat_completion(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream,
     )
-    response_id = new_id("chatcmpl")
-    prepared: list[ChatPrompt] = []
+    call_info = ChatCall(
+        response_id_of(body, "chatcmpl"), _echo_text(body, generation_prompt), legacy
+    )
+    options = ChatOptions(
+        tools=tools,
+        tool_choice=tool_choice,
+        structured=constraint[1] if constraint else None,
+        parallel_tool_calls=bool(body.parallel_tool_calls) and not legacy,
+    )
+    wanted = max_tokens if max_given else None
+
+    def check_rendered(text: str) -> None:  # before tokenizing: can it fit at all?
+        if body.truncate_prompt_tokens is None:
+            state.prompt_bound.check(len(text), wanted, "messages")
 
     def make_groups() -> list[RequestGroup]:
-        prompt = _prepare(state, body, params)
-        prepared.append(prompt)
+        prompt = prepare_chat(
+            state.engine, [_message_dict(m) for m in body.messages], params, options,
+            add_generation_prompt=generation_prompt, template_kwargs=template_kwargs,
+            split_special_tokens=body.split_special_tokens, chat_template=body.chat_template,
+            add_special_tokens=bool(body.add_special_tokens), check_rendered=check_rendered,
+        )  # fmt: skip
+        call_info.prompt = prompt
+        ids = truncated(state, prompt.token_ids, body.truncate_prompt_tokens, wanted)
         group = state.make_group(
-            prompt.engine_prompt, prompt.params, response_id, body.cache_salt,
-            max_tokens_given=max_tokens is not None,
+            {"prompt_token_ids": ids}, prompt.params, new_id("chat"), body.cache_salt,
+            max_tokens_given=max_given, priority=body.priority,
+            constraint_param=constraint[0] if constraint else "tools",
         )  # fmt: skip
         return [group]
 
@@ -112,30 +193,37 @@ async def create_chat_completion(
         call = await state.start(request, body.n, make_groups)
     except ClientGone:
         return Response(status_code=499)
-    plan = prepared[0].plan
+    assert call_info.prompt is not None
     if body.stream:
         return StreamingResponse(
-            _stream(state, body, call, response_id, plan), media_type="text/event-stream"
-        )
+            stream_chat(state, body, call, call_info.response_id, call_info.prompt.plan,
+                        call_info.echo, call_info.legacy),
+            media_type="text/event-stream",
+        )  # fmt: skip
     try:
         (final,) = await finals_unless_disconnected(request, call)
     except ClientGone:
         return Response(status_code=499)
-    choices = []
-    for output in sorted(final.outputs, key=lambda o: o.index):
-        read = read_choice(output.text, output.finish_reason, plan)
-        choices.append(
-            {
-                "index": output.index,
-                "message": _message(read),
-                "logprobs": _logprobs(body, output.token_ids, output.logprobs),
-                "finish_reason": read.finish_reason,
-                "stop_reason": output.stop_reason,
-            }
-        )
-    return JSONResponse(
-        {
-            "id": response_id,
+    plan = call_info.prompt.plan
+
+    def build() -> dict[str, Any]:
+        choices = []
+        for output in sorted(final.outputs, key=lambda o: o.index):
+            read = read_choice(output.text, output.finish_reason, plan)
+            message, finish_reason = _message(read, call_info.echo), read.finish_reason
+            if call_info.legacy:
+                message, finish_reason = legacy_message(message, finish_reason)
+            choices.append(
+                {
+                    "index": output.index,
+                    "message": message,
+                    "logprobs": choice_logprobs(body, output.token_ids, output.logprobs),
+                    "finish_reason": finish_reason,
+                    "stop_reason": output.stop_reason,
+                }
+            )
+        return {
+            "id": call_info.response_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": state.model_name,
@@ -143,101 +231,16 @@ async def create_chat_completion(
             "usage": Usage.of([final]).to_openai(state.limits.report_cached_tokens),
             "system_fingerprint": None,
         }
-    )
+
+    return await json_response(build)
 
 
-def _message(choice: ChatChoice) -> dict[str, Any]:
+def _message(choice: ChatChoice, echo: str = "") -> dict[str, Any]:
     """The assistant message of one choice: content, and the tool calls read from it."""
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": choice.content if choice.content or not choice.tool_calls else None,
-    }
+    content = choice.content if choice.content or not choice.tool_calls else None
+    if echo:
+        content = echo + (content or "")
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if choice.tool_calls:
         message["tool_calls"] = [call.to_openai() for call in choice.tool_calls]
     return message
-
-
-def _logprobs(body: ChatCompletionRequest, token_ids, entries) -> dict[str, Any] | None:
-    if not body.logprobs or entries is None:
-        return None
-    return {"content": chat_logprobs(list(token_ids), list(entries), body.top_logprobs or 0)}
-
-
-async def _stream(
-    state: ServerState,
-    body: ChatCompletionRequest,
-    call: EngineCall,
-    response_id: str,
-    plan: ToolPlan,
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    options = body.stream_options
-    include_usage = options is not None and options.include_usage
-    continuous = include_usage and options is not None and options.continuous_usage_stats
-    report_cached = state.limits.report_cached_tokens
-    choices = [ChoiceStream(plan) for _ in range(body.n)]
-    started = [False] * body.n
-    usage = Usage()
-
-    def chunk(index: int, delta: dict, finish_reason=None, logprobs=None, stop_reason=None) -> str:
-        payload: dict[str, Any] = {
-            "id": response_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.model_name,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                    "stop_reason": stop_reason,
-                }
-            ],
-        }
-        if include_usage:
-            payload["usage"] = usage.to_openai(report_cached) if continuous else None
-        return sse(payload)
-
-    try:
-        async for _, out in call:
-            for output in out.outputs:
-                stream = choices[output.index]
-                if stream.finished:
-                    continue
-                step = stream.feed(output)
-                usage = Usage.of([out], completion_tokens=sum(c.num_tokens for c in choices))
-                if not started[output.index]:
-                    started[output.index] = True
-                    yield chunk(output.index, {"role": "assistant", "content": ""})
-                held = stream.gate is not None  # text that may be a call waits for the end
-                if step.done is None and not step.text and (held or not output.token_ids):
-                    continue
-                delta: dict[str, Any] = {"content": step.text} if step.text else {}
-                if step.done is not None and step.done.tool_calls:
-                    delta["tool_calls"] = [
-                        {"index": i, **c.to_openai()} for i, c in enumerate(step.done.tool_calls)
-                    ]
-                yield chunk(
-                    output.index,
-                    delta,
-                    finish_reason=step.done.finish_reason if step.done is not None else None,
-                    logprobs=_logprobs(body, output.token_ids, output.logprobs),
-                    stop_reason=output.stop_reason,
-                )
-        if include_usage:
-            payload = {
-                "id": response_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": state.model_name,
-                "choices": [],
-                "usage": usage.to_openai(report_cached),
-            }
-            yield sse(payload)
-        yield SSE_DONE
-    except Exception as error:  # the 200 is already out: report in the stream
-        yield sse_error(error, f"chat stream {response_id}")
-        yield SSE_DONE
-    finally:
-        call.close()

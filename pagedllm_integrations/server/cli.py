@@ -1,6 +1,7 @@
 """`pagedllm serve`: the OpenAI-compatible server from the command line.
 
-pagedllm serve --model path/or/gguf --port 8000 --api-key secret
+PAGEDLLM_API_KEY=secret pagedllm serve --model path/or/gguf --port 8000
+pagedllm serve --model path/or/gguf --api-key-file /run/secrets/pagedllm-key
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ import sys
 from ..cli_generate import add_engine_arguments, engine_kwargs
 from ..engine.client import DEFAULT_STALL_SECONDS
 from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
+from .api_key import API_KEY_ENV, resolve_api_key
 from .app import DEFAULT_MAX_QUEUE_LEN
+from .defaults import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
 from .guard import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -28,7 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         "--served-model-name", default=None, help="the name clients pass as `model`"
     )
     parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
+        "--api-key-file",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on all routes but /health, KEY read from "
+        f"this file (one line); or set {API_KEY_ENV}",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the key itself (visible to local users in `ps`: prefer --api-key-file or "
+        f"{API_KEY_ENV})",
     )
     parser.add_argument(
         "--max-queue-len",
@@ -65,6 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         f"(default {DEFAULT_STALL_SECONDS:g})",
     )
     parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs: first come, first served (default); priority: a request's `priority` "
+        "field orders it (lower first), as in vLLM",
+    )
+    parser.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="accept (and ignore) request fields no known server defines; by default they "
+        "are a 400 naming them",
+    )
+    add_connection_arguments(parser)
+    parser.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="no periodic status line (the engine logs one every 5 s while busy)",
@@ -72,22 +103,83 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--uvicorn-log-level", default="warning")
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """Timeouts, connection caps and shutdown (server/connections.py, server/runner.py)."""
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a request head may take to arrive, from the connection opening or the "
+        f"previous response (default {DEFAULT_HEADER_TIMEOUT_S:g}); past it: 408 and close",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help=f"seconds a request body may take to arrive (default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_S,
+        help="seconds an idle connection is kept between requests "
+        f"(default {DEFAULT_KEEP_ALIVE_S:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most, past it 503 (default: the open-file limit less 64; "
+        "0: no cap)",
+    )
+    parser.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        help="open connections from one address, past it 429 (default: half of "
+        "--max-connections, at most 256; 0: no cap; behind a proxy every client has the "
+        "proxy's address)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, seconds running requests get to finish before they are aborted "
+        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}; a second SIGTERM aborts at once)",
+    )
 
+
+def run(args: argparse.Namespace) -> int:
     from ..engine.config import EngineConfig
     from ..engine.factory import create_engine
     from .app import create_app
+    from .connections import ConnectionLimits
+    from .runner import GracefulServer, server_config
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+        limits = ConnectionLimits(
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            keep_alive_timeout=args.keep_alive_timeout,
+            max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
+        )
+        if not 0 <= args.shutdown_timeout < float("inf"):
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    except ValueError as error:
+        print(f"pagedllm serve: {error}", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning(
-            "binding %s without --api-key: anyone who can reach it can use it", args.host
+            "binding %s without an API key: anyone who can reach it can use it", args.host
         )
     try:
         config = EngineConfig.from_kwargs(
             **engine_kwargs(args),
             served_model_name=args.served_model_name,
             disable_log_stats=args.disable_log_stats,
+            scheduling_policy=args.scheduling_policy,
         )
         engine = create_engine(config)
     except ValueError as error:
@@ -97,15 +189,18 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(
             engine,
             served_model_name=args.served_model_name,
-            api_key=args.api_key,
+            api_key=api_key,
             max_queue_len=args.max_queue_len,
             max_body_bytes=args.max_body_bytes,
             compile_timeout=args.grammar_compile_timeout,
             report_cached_tokens=args.report_cached_tokens,
             health_stall_timeout=args.health_stall_timeout,
+            connection_limits=limits,
+            allow_unknown_fields=args.allow_unknown_fields,
         )
+        config = server_config(app, args.host, args.port, args.uvicorn_log_level)
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, args.host, args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        GracefulServer(config, shutdown_timeout=args.shutdown_timeout).run()
     finally:
         engine.shutdown()
     return 0

@@ -1,4 +1,6 @@
-"""POST /v1/completions: one engine request per prompt, `n` completions each."""
+"""POST /v1/completions: one engine request per prompt, `n` completions each (with vLLM's
+and llama.cpp's extras: structured outputs, truncate_prompt_tokens, add_special_tokens,
+priority, request_id, n_predict)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from ..chat.logprobs import completion_logprobs
 from ..chat.outputs import Usage
 from ..engine.client import PromptType
 from ..engine.output_processor import RequestGroup
+from ..engine.request_limits import check_text
 from .errors import APIError, sse_error
+from .peer_fields import check_fields
 from .protocol import MAX_PROMPTS, CompletionRequest
-from .sampling import build_sampling_params
+from .requests import check_priority, response_id_of, truncated
+from .responses import json_response
+from .sampling import build_sampling_params, requested_max_tokens
 from .serving import (
     SSE_DONE,
     ClientGone,
@@ -25,6 +31,7 @@ from .serving import (
     new_id,
     sse,
 )
+from .structured import request_constraint
 
 
 def _prompts(prompt: str | list) -> list[PromptType]:
@@ -40,6 +47,7 @@ def _prompts(prompt: str | list) -> list[PromptType]:
 async def create_completion(
     state: ServerState, body: CompletionRequest, request: Request
 ) -> Response:
+    check_fields(body, state.limits.allow_unknown_fields)
     state.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix (insertion) is not supported", param="suffix")
@@ -52,29 +60,64 @@ async def create_completion(
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
                        param="prompt")  # fmt: skip
+    set_max = "max_tokens" in body.model_fields_set and body.max_tokens is not None
+    max_tokens, max_tokens_given = requested_max_tokens(body, body.max_tokens if set_max else None)
+    if body.n_predict is None and not set_max:
+        max_tokens = body.max_tokens  # OpenAI's default for completions (16)
+    check_priority(state, body.priority)
+    constraint = request_constraint(body)
     params = build_sampling_params(
         state.engine.model_info,
         body,
-        max_tokens=body.max_tokens,
+        max_tokens=max_tokens,
         logprobs=body.logprobs,
         stream=body.stream,
     )
-    response_id = new_id("cmpl")
-    max_tokens_given = "max_tokens" in body.model_fields_set and body.max_tokens is not None
+    if constraint is not None:
+        params = params.clone(structured_outputs=constraint[1])
+    response_id = response_id_of(body, "cmpl")
+    engine_id = new_id("cmpl")
+    wanted = max_tokens if max_tokens_given else None
+    if body.truncate_prompt_tokens is None:  # before any tokenizing: can each one fit?
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                state.prompt_bound.check(len(prompt), wanted, "prompt")
     echoes: list[str] = []
+
+    def engine_prompt(prompt: PromptType) -> PromptType:
+        """Tokenized here when the engine's own tokenizing (special tokens added, whole
+        prompt kept) is not what the request asks for."""
+        add_special = body.add_special_tokens is not False
+        if body.truncate_prompt_tokens is None and add_special:
+            return prompt
+        if isinstance(prompt, str):
+            check_text(prompt, "the prompt")
+            ids = list(state.engine.tokenizer(prompt, add_special_tokens=add_special).input_ids)
+        else:
+            ids = list(prompt)  # type: ignore[arg-type]
+        return {"prompt_token_ids": truncated(state, ids, body.truncate_prompt_tokens, wanted)}
 
     def make_groups() -> list[RequestGroup]:
         groups = [
             state.make_group(
-                prompt,
+                engine_prompt(prompt),
                 params,
-                f"{response_id}-{index}" if len(prompts) > 1 else response_id,
+                f"{engine_id}-{index}" if len(prompts) > 1 else engine_id,
                 body.cache_salt,
                 max_tokens_given=max_tokens_given,
+                priority=body.priority,
+                constraint_param=constraint[0] if constraint else "response_format",
             )
             for index, prompt in enumerate(prompts)
         ]
-        echoes.extend(_echo_text(state, p) if body.echo else "" for p in prompts)
+        if body.echo:  # the prompt as the model saw it (truncated, when it was)
+            cut = body.truncate_prompt_tokens is not None
+            echoes.extend(
+                _echo_text(state, list(g.prompt_token_ids) if cut else p)
+                for g, p in zip(groups, prompts, strict=True)
+            )
+        else:
+            echoes.extend("" for _ in prompts)
         return groups
 
     try:
@@ -89,20 +132,21 @@ async def create_completion(
         finals = await finals_unless_disconnected(request, call)
     except ClientGone:
         return Response(status_code=499)
-    choices = []
-    for prompt_index, final in enumerate(finals):
-        for output in sorted(final.outputs, key=lambda o: o.index):
-            choices.append(
-                {
-                    "index": prompt_index * body.n + output.index,
-                    "text": echoes[prompt_index] + output.text,
-                    "logprobs": _logprobs(body, output.token_ids, output.logprobs, 0),
-                    "finish_reason": output.finish_reason,
-                    "stop_reason": output.stop_reason,
-                }
-            )
-    return JSONResponse(
-        {
+
+    def build() -> dict[str, Any]:
+        choices = []
+        for prompt_index, final in enumerate(finals):
+            for output in sorted(final.outputs, key=lambda o: o.index):
+                choices.append(
+                    {
+                        "index": prompt_index * body.n + output.index,
+                        "text": echoes[prompt_index] + output.text,
+                        "logprobs": _logprobs(body, output.token_ids, output.logprobs, 0),
+                        "finish_reason": output.finish_reason,
+                        "stop_reason": output.stop_reason,
+                    }
+                )
+        return {
             "id": response_id,
             "object": "text_completion",
             "created": int(time.time()),
@@ -111,7 +155,8 @@ async def create_completion(
             "usage": Usage.of(finals).to_openai(state.limits.report_cached_tokens),
             "system_fingerprint": None,
         }
-    )
+
+    return await json_response(build)
 
 
 def _usage(

@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: API key (401) and body size (413).
+"""ASGI middleware in front of every route: API key (401), body size (413), body timeout
+(408).
 
 It is plain ASGI rather than a Starlette BaseHTTPMiddleware because it must replay the body
 it has read, and pass the client's disconnect through untouched: streaming responses cancel
@@ -7,6 +8,8 @@ themselves (and abort their engine requests) when that disconnect arrives.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -14,6 +17,7 @@ import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .defaults import DEFAULT_BODY_TIMEOUT_S
 from .errors import error_body
 
 logger = logging.getLogger(__name__)
@@ -21,13 +25,22 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 DEFAULT_MAX_BODY_BYTES = 4 * MiB
 _OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers' probes)
+_CLOSE = (b"connection", b"close")
+_LINGER_S = 5.0  # how long a refused body is read (and dropped) before the connection closes
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    ):
         self.app = app
         self.expected = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     def _authorized(self, given: bytes) -> bool:
         """`Bearer <key>`; the scheme is case-insensitive (RFC 9110), the key is not."""
@@ -56,24 +69,33 @@ class GuardMiddleware:
         )
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _drain(receive, limit=4 * self.max_body_bytes)
-            await _reply(send, 413, too_large, "invalid_request_error", "body_too_large")
+            # Answered before reading a byte of it: a client that declares 4 GiB and sends
+            # nothing gets its 413 at once (the body is then drained for a while, boundedly).
+            await self._refuse(receive, send, 413, too_large, "body_too_large")
             return
         parts: list[bytes] = []
         size, more, disconnected = 0, True, False
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                disconnected = True
-                break
-            parts.append(message.get("body", b""))
-            size += len(parts[-1])
-            more = message.get("more_body", False)
-            if size > self.max_body_bytes:
-                if more:
-                    await _drain(receive, limit=4 * self.max_body_bytes)
-                await _reply(send, 413, too_large, "invalid_request_error", "body_too_large")
-                return
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        disconnected = True
+                        break
+                    parts.append(message.get("body", b""))
+                    size += len(parts[-1])
+                    more = message.get("more_body", False)
+                    if size > self.max_body_bytes:
+                        break
+        except TimeoutError:
+            logger.info("a request body did not arrive within %gs", self.body_timeout)
+            slow = f"the request body did not arrive within {self.body_timeout:g} s"
+            await _reply(send, 408, slow, "invalid_request_error", "body_timeout",
+                         extra_headers=[_CLOSE])  # fmt: skip
+            return
+        if size > self.max_body_bytes:
+            await self._refuse(receive, send, 413, too_large, "body_too_large", more)
+            return
         if disconnected:
             return
         body = b"".join(parts)
@@ -92,6 +114,28 @@ class GuardMiddleware:
             return await receive()  # after the body: the client's disconnect
 
         await self.app(scope, replay, send)
+
+    async def _refuse(
+        self, receive: Receive, send: Send, status: int, message: str, code: str,
+        more: bool = True,
+    ) -> None:  # fmt: skip
+        """Answer now and close the connection; meanwhile read (and drop) what the client
+        still sends, for a bounded time and size, so a client that sends its whole body
+        before it reads gets to read the error rather than a reset connection."""
+        payload = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            _CLOSE,
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        # The whole error goes out now; the end of the response (and the close) waits.
+        await send({"type": "http.response.body", "body": payload, "more_body": True})
+        if more:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(self.body_timeout, _LINGER_S)):
+                    await _drain(receive, limit=4 * self.max_body_bytes)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # A \\uXXXX escape of a UTF-16 surrogate (either half) in JSON text.

@@ -2,9 +2,9 @@
 
 Only the shape and the plain ranges are checked here; what needs the model (prompt length,
 vocabulary, tool names) is checked by the engine and the route, and every failure becomes a
-400 with OpenAI's error body. Fields OpenAI has and pagedllm cannot honour are rejected with
-a message rather than silently ignored; unknown extra fields are ignored, as OpenAI's SDKs
-send new ones before servers know them.
+400 with OpenAI's error body. Besides OpenAI's fields, the ones of vLLM's and llama.cpp's
+servers that pagedllm honours are declared here; the ones it cannot honour are refused by
+name (peer_fields.py), and so is any other field unless the server allows unknown fields.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ MAX_PROMPTS = 256
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_CACHE_SALT = 256
+MAX_REQUEST_ID = 256
+MAX_FUNCTIONS = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -32,13 +34,33 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
+class _Request(_Body):
+    """A request body: its undeclared fields are kept (`model_extra`) to be refused by name
+    or, when the server allows unknown fields, ignored (peer_fields.py)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Body):
-    """Fields shared by both routes (OpenAI's, then vLLM's extras)."""
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both routes (OpenAI's, then vLLM's and llama.cpp's extras)."""
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -60,10 +82,29 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's: mixed into the prefix-cache hashes, so only requests with the same salt share
     # cached blocks (one salt per tenant keeps tenants from probing each other's prompts).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    # vLLM's: keep only the last k prompt tokens (-1: as many as fit the context).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
+    request_id: Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID)] | None = None
+    add_special_tokens: bool | None = None  # default: true for completions, false for chat
+    # Structured output, in every server's spelling (at most one of them; see structured.py).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    grammar: str | None = None  # llama.cpp: a GBNF grammar
+    json_schema: dict[str, Any] | None = None  # llama.cpp: a JSON schema
+    # llama.cpp's names for max_tokens (-1: no limit) and repetition_penalty.
+    n_predict: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    repeat_penalty: FiniteFloat | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -93,12 +134,15 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(_Request):
+    # Undeclared fields are kept to be refused by name (peer_fields.check_message_fields).
+    # "function": a legacy function result (OpenAI's `functions` API), read as a tool result.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
+    function_call: FunctionCall | None = None  # a legacy call in an assistant turn
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
@@ -127,17 +171,8 @@ class NamedToolChoice(_Body):
     function: NamedToolChoiceFunction
 
 
-class JsonSchemaFormat(_Body):
-    name: str | None = None
-    description: str | None = None
-    # "schema" shadows a BaseModel attribute, hence the alias.
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+class FunctionCallChoice(_Body):
+    name: str
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -151,7 +186,16 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     # Special-token strings inside message content stay text (true, the default), so a
     # message cannot open a forged turn; false lets them become the model's control tokens.
     split_special_tokens: bool = True
+    # OpenAI's legacy function calling: `functions` are tools, `function_call` the choice.
+    functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_FUNCTIONS)] | None = None
+    function_call: Literal["none", "auto"] | FunctionCallChoice | None = None
+    # vLLM's chat extras.
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

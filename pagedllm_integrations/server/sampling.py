@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ..chat.sampling import build_sampling_params as build_params
 from ..engine.client import ModelInfo
-from ..engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from ..engine.sampling_params import RequestOutputKind, SamplingParams
 from .errors import APIError
-from .protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from .protocol import ChatCompletionRequest, CompletionRequest
 
 
 def build_sampling_params(
@@ -28,7 +28,7 @@ def build_sampling_params(
         "top_p": body.top_p,
         "top_k": body.top_k,
         "min_p": body.min_p,
-        "repetition_penalty": body.repetition_penalty,
+        "repetition_penalty": _one_of(body, "repetition_penalty", "repeat_penalty"),
         "max_tokens": max_tokens,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
@@ -60,10 +60,33 @@ def _build(
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
         # Streams carry only what is new; a plain response needs only the end.
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         logit_bias=_logit_bias(body.logit_bias, model.vocab_size),
     )
+
+
+def _one_of(body: CompletionRequest | ChatCompletionRequest, name: str, alias: str):
+    """A value given under its own name or under another server's; both must agree."""
+    value, other = getattr(body, name), getattr(body, alias)
+    if value is not None and other is not None and value != other:
+        raise APIError(400, f"{name}={value} and {alias}={other} disagree; give one",
+                       param=alias)  # fmt: skip
+    return value if value is not None else other
+
+
+def requested_max_tokens(body: CompletionRequest | ChatCompletionRequest, given: int | None):
+    """max_tokens as given (OpenAI's max_tokens / max_completion_tokens), or llama.cpp's
+    n_predict (-1: no limit); (value, whether the client set one)."""
+    if body.n_predict is None:
+        return given, given is not None
+    if given is not None:
+        raise APIError(400, "give max_tokens or n_predict, not both", param="n_predict")
+    if body.n_predict == 0:
+        raise APIError(400, "n_predict 0 (evaluate the prompt only) is not supported; give a "
+                       "positive n_predict, or -1 for no limit", param="n_predict")  # fmt: skip
+    return (None, False) if body.n_predict == -1 else (body.n_predict, True)
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -81,17 +104,3 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
                            f"(0..{vocab_size - 1})", param="logit_bias")  # fmt: skip
         parsed[token] = float(value)
     return parsed
-
-
-def response_format_constraint(fmt: ResponseFormat | None) -> StructuredOutputsParams | None:
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-        raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON schema)",
-                       param="response_format")  # fmt: skip
-    try:
-        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
-    except ValueError as error:  # a schema past the limits (engine/request_limits.py)
-        raise APIError(400, str(error), param="response_format") from None

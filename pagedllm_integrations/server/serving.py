@@ -38,6 +38,7 @@ from ..engine.structured_outputs import (
 )
 from .errors import APIError
 from .metrics import PrometheusStatLogger
+from .prompt_bound import PromptBound
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class ServerLimits:
     compile_timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S  # seconds a constraint may take
     report_cached_tokens: bool = True  # usage.prompt_tokens_details.cached_tokens
     health_stall_timeout: float = DEFAULT_STALL_SECONDS  # a step this long: /health says 503
+    allow_unknown_fields: bool = False  # fields no known server defines: ignored, not a 400
 
 
 @dataclass(slots=True)
@@ -71,6 +73,28 @@ class ServerState:
     in_flight: int = 0  # sequences admitted and not yet ended (running + waiting)
     background: set[asyncio.Task] = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
+    # Shutdown (runner.py): draining refuses new requests; aborting ends the running ones.
+    open_calls: set[EngineCall] = field(default_factory=set)
+    draining: bool = False
+    aborting: bool = False
+    prompt_bound: PromptBound = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_bound = PromptBound.for_tokenizer(
+            self.engine.tokenizer, self.engine.max_model_len
+        )
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica",
+                           code="shutting_down")  # fmt: skip
+
+    def abort_all(self) -> None:
+        """Abort every running request (shutdown): each stream ends with an 'abort'
+        output; requests still being prepared are refused when they are ready."""
+        self.draining = self.aborting = True
+        for call in list(self.open_calls):
+            call.close()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.engine.model_name):
@@ -117,6 +141,7 @@ class ServerState:
         """Admit `sequences`, make the engine requests off the event loop (`make_groups`:
         tokenize, validate, compile) and submit them all; nothing is submitted unless every
         one is valid."""
+        self.check_admitting()
         limit = self.max_queue_len
         if limit is not None and sequences > limit:
             raise APIError(
@@ -137,6 +162,8 @@ class ServerState:
         n = sequences
         try:
             groups = await self.off_loop(request, make_groups)
+            if self.aborting:  # shutdown began while it was prepared
+                self.check_admitting()
             n = groups[0].params.n if groups else 1
             loop = asyncio.get_running_loop()
             for group in groups:
@@ -155,12 +182,18 @@ class ServerState:
         request_id: str,
         cache_salt: str | None = None,
         max_tokens_given: bool = False,
+        priority: int = 0,
+        constraint_param: str = "response_format",
     ) -> RequestGroup:
         """One engine request (any thread but the loop's): tokenized and validated by the
         engine; a max_tokens the client set that does not fit the context is a 400, as in
-        vLLM and OpenAI (left unset, generation runs to the end of the context)."""
+        vLLM and OpenAI (left unset, generation runs to the end of the context), and so is
+        a min_tokens that does not fit. constraint_param: the field a constraint that does
+        not compile is blamed on."""
         try:
-            group = self.engine.process_inputs(prompt, params, request_id, cache_salt=cache_salt)
+            group = self.engine.process_inputs(
+                prompt, params, request_id, priority=priority, cache_salt=cache_salt
+            )
         except (ValueError, CompileCancelledError):
             raise
         except Exception as error:
@@ -171,7 +204,7 @@ class ServerState:
             logger.info("structured-output constraint rejected: %r", str(error)[:300])
             raise APIError(
                 400, "the structured-output constraint could not be compiled",
-                param="response_format",
+                param=constraint_param,
             ) from error  # fmt: skip
         max_len = self.engine.max_model_len
         prompt_len = len(group.prompt_token_ids)
@@ -183,6 +216,15 @@ class ServerState:
                 f"for {prompt_len + wanted} ({prompt_len} in the prompt, {wanted} to "
                 f"generate): lower max_tokens to at most {max_len - prompt_len} or leave it unset",
                 param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if params.min_tokens and prompt_len + params.min_tokens > max_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {max_len} tokens; min_tokens "
+                f"{params.min_tokens} cannot be generated after {prompt_len} prompt tokens: "
+                f"lower min_tokens to at most {max_len - prompt_len}",
+                param="min_tokens",
                 code="context_length_exceeded",
             )
         return group
@@ -207,7 +249,10 @@ class EngineCall:
         self.n = n
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(streams)
+        self._pumping = len(streams)
         self._aborted = False
+        if streams:
+            state.open_calls.add(self)
         for index, stream in enumerate(streams):
             state.spawn(self._pump(index, stream))
 
@@ -226,6 +271,9 @@ class EngineCall:
                 raise
         finally:
             self.state.in_flight -= self.n
+            self._pumping -= 1
+            if not self._pumping:
+                self.state.open_calls.discard(self)
             self._queue.put_nowait((index, None))
             if final is not None and any(c.finish_reason == "abort" for c in final.outputs):
                 # The engine's step never saw these finish; count them here.
