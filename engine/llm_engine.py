@@ -21,7 +21,7 @@ import torch
 
 from .client import ModelInfo, PromptType
 from .compute_plan import choose_plan
-from .config import EngineConfig, GiB
+from .config import ContextLengthError, EngineConfig, GiB
 from .disk_prefix_cache import DiskPrefixCache
 from .executor import build_executor
 from .generation_config import generation_defaults, read_generation_config
@@ -77,6 +77,12 @@ class LLMEngine:
             self.model_config.torch_dtype,
             config.tensor_parallel_size,
         )
+        if config.num_threads is not None and not self.plan.fused_cpu:
+            raise ValueError(
+                f"num_threads={config.num_threads} sets the threads of the CPU fast path's "
+                f"kernels, and this engine runs {self.plan.describe()} on torch's threads: "
+                "call torch.set_num_threads(n) instead"
+            )
         self.dtype = self.plan.dtype
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
@@ -180,10 +186,7 @@ class LLMEngine:
         if self.config.max_model_len is None:
             return min(limit, _DEFAULT_MAX_MODEL_LEN_CAP)
         if self.config.max_model_len > limit and not self.model_config.rope_scaling:
-            raise ValueError(
-                f"max_model_len {self.config.max_model_len} exceeds the model's context "
-                f"length {limit} (max_position_embeddings)"
-            )
+            raise ContextLengthError(self.config.max_model_len, limit)
         return self.config.max_model_len
 
     def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
