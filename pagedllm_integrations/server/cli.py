@@ -12,8 +12,7 @@ import sys
 from ..cli_generate import add_engine_arguments, engine_kwargs
 from ..engine.client import DEFAULT_STALL_SECONDS
 from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
-from .app import DEFAULT_MAX_QUEUE_LEN
-from .guard import DEFAULT_MAX_BODY_BYTES
+from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
 
 logger = logging.getLogger(__name__)
 

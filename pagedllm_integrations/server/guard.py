@@ -18,8 +18,6 @@ from .errors import error_body
 
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
-DEFAULT_MAX_BODY_BYTES = 4 * MiB
 _OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers' probes)
 
 
