@@ -89,14 +89,6 @@ class EngineOwner:
                     "the model's own"
                 )
                 raise ContextLengthError(error.requested, error.limit, message) from None
-            except ValueError as error:
-                # Another limit that involves max_model_len (the KV cache it needs): say
-                # which of the user's settings it is.
-                name = self._setting_names.get("max_model_len")
-                if name is None or "max_model_len" not in str(error):
-                    raise
-                value = self._config.max_model_len
-                raise ValueError(f"{error} (max_model_len is {name}={value})") from error
         return self._engine
 
     @property
