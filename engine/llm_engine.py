@@ -77,12 +77,7 @@ class LLMEngine:
             self.model_config.torch_dtype,
             config.tensor_parallel_size,
         )
-        if config.num_threads is not None and not self.plan.fused_cpu:
-            raise ValueError(
-                f"num_threads={config.num_threads} sets the threads of the CPU fast path's "
-                f"kernels, and this engine runs {self.plan.describe()} on torch's threads: "
-                "call torch.set_num_threads(n) instead"
-            )
+        self._check_num_threads()
         self.dtype = self.plan.dtype
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
@@ -181,6 +176,23 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------ model setup
+    def _check_num_threads(self) -> None:
+        """num_threads sets the threads of the CPU fast path's kernels: on a GPU the CPU
+        does no such work (noted); a CPU path on torch's threads refuses it."""
+        threads = self.config.num_threads
+        if threads is None or self.plan.fused_cpu:
+            return
+        if self.device.type != "cpu":
+            logger.warning(
+                "num_threads=%d has no effect: the model runs on %s", threads, self.device
+            )
+            return
+        raise ValueError(
+            f"num_threads={threads} sets the threads of the CPU fast path's kernels, and "
+            f"this engine runs {self.plan.describe()} on torch's threads: call "
+            "torch.set_num_threads(n) instead"
+        )
+
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:

@@ -147,6 +147,8 @@ CHAT_PEERS: dict[str, Setting] = {
     "model_path": rename("model"),
     "grammar": LLAMA_CPP_SAMPLING["grammar"],
     "grammar_path": to_sampling("structured_outputs", gbnf_grammar_file),
+    "echo": LLAMA_CPP_SAMPLING["echo"],
+    "suffix": LLAMA_CPP_SAMPLING["suffix"],
     "last_n_tokens_size": Note("the repetition penalty covers the whole text"),
     # ChatOpenAI (pointed at a vLLM server): model_kwargs below, the rest here.
     "model_kwargs": Filter(_chat_model_kwargs),
@@ -293,8 +295,8 @@ def _llama_cpp_generate_kwargs(value: dict | None, mapped: Mapped) -> None:
     )
 
 
-def _openai_logprobs(value: bool | None, mapped: Mapped) -> None:
-    """OpenAILike's logprobs is a flag (Vllm's a count); top_logprobs asks for more."""
+def _logprobs_flag_or_count(value: bool | int | None, mapped: Mapped) -> None:
+    """OpenAILike's logprobs is a flag (with top_logprobs for more), Vllm's a count."""
     if isinstance(value, bool):
         apply_rule(OPENAI_REQUEST["logprobs"], "logprobs", value, mapped)
     else:
@@ -333,7 +335,7 @@ LLAMA_INDEX_PEERS: dict[str, Setting] = {
     "frequency_penalty": to_sampling("frequency_penalty"),
     "repetition_penalty": to_sampling("repetition_penalty"),
     "ignore_eos": to_sampling("ignore_eos"),
-    "logprobs": Custom(_openai_logprobs),
+    "logprobs": Custom(_logprobs_flag_or_count),
     "api_url": Note(IN_PROCESS),
     # LlamaIndex LlamaCPP.
     "model_path": rename("model"),

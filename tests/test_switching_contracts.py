@@ -237,3 +237,14 @@ def test_context_length_errors_name_the_users_setting():
         Ollama(model=DEFAULT, additional_kwargs={"num_ctx": 9999}).complete("Hi")
     with pytest.raises(ValueError, match=r"^max_model_len 9000 exceeds"):  # the user's name
         ChatPagedLLM(model=DEFAULT, engine_kwargs={"max_model_len": 9000}).invoke("Hi")
+
+
+def test_num_threads_is_refused_where_torchs_threads_do_the_work():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU num_threads is noted, not refused")
+    reference = ChatPagedLLM(model=DEFAULT, n_threads=1,
+                             engine_kwargs={**SMALL, "dtype": "float32"})  # fmt: skip
+    with pytest.raises(ValueError, match="num_threads=1 sets the threads of the CPU fast path"):
+        reference.invoke("Hi")
