@@ -48,6 +48,27 @@ def check_messages(messages: list[dict]) -> None:
             )
 
 
+# Content a text-only model cannot read, by the content-part types of OpenAI, LangChain and
+# LlamaIndex, and what to call it in an error.
+_NOT_TEXT = {
+    "image": "images are",
+    "image_url": "images are",
+    "input_image": "images are",
+    "audio": "audio is",
+    "input_audio": "audio is",
+    "video": "video is",
+    "file": "files are",
+    "input_file": "files are",
+    "document": "documents are",
+}
+
+
+def not_text_message(kind: str) -> str:
+    """The error for a content part of type `kind` that is not text (an image, audio...)."""
+    what = _NOT_TEXT.get(kind, f"{kind!r} content parts are")
+    return f"{what} not supported by this model: it reads text only; send the content as text"
+
+
 def content_text(content: Any) -> str:
     """Message content as text (a string, None, or a list of OpenAI content parts)."""
     if content is None:
@@ -61,6 +82,8 @@ def content_text(content: Any) -> str:
                 parts.append(part)
             elif isinstance(part, dict) and part.get("type") == "text":
                 parts.append(str(part.get("text", "")))
+            elif isinstance(part, dict) and isinstance(part.get("type"), str):
+                raise ValueError(not_text_message(part["type"]))
             else:
                 raise ValueError(f"only text content parts are supported, got {part!r}")
         return "".join(parts)

@@ -13,6 +13,34 @@ GiB = 1 << 30
 
 # Accepted for drop-in compatibility with vLLM/LangChain arguments, with no effect here.
 _ACCEPTED_AND_IGNORED = {"trust_remote_code", "enforce_eager", "disable_custom_all_reduce"}
+# Fields that do not change what an engine computes (see EngineConfig.cache_key).
+_NO_EFFECT_ON_THE_ENGINE = (
+    "disable_log_stats",
+    "log_stats_interval",
+    "trust_remote_code",
+    "enforce_eager",
+)
+
+
+def _auto_device() -> str:
+    """The device "auto" resolves to (as the engine resolves it)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ContextLengthError(ValueError):
+    """max_model_len is longer than the model's context; `requested` and `limit` let a
+    front end name the setting the user gave it (num_ctx, context_window, n_ctx)."""
+
+    def __init__(self, requested: int, limit: int, message: str | None = None):
+        super().__init__(
+            message
+            or f"max_model_len {requested} exceeds the model's context length {limit} "
+            "(max_position_embeddings)"
+        )
+        self.requested = requested
+        self.limit = limit
 
 
 @dataclass(slots=True)
@@ -65,6 +93,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     trust_remote_code: bool = False
     enforce_eager: bool = True
+    # CPU threads of the fast path's kernels for this engine (llama.cpp's n_threads); None:
+    # torch's thread count. Other paths run on torch's threads (torch.set_num_threads).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -92,6 +123,16 @@ class EngineConfig:
             raise ValueError("swap_space must be >= 0 GiB")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.num_threads is not None:
+            if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int):
+                raise ValueError(f"num_threads must be an integer, got {self.num_threads!r}")
+            if self.num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "num_threads is not supported with tensor_parallel_size > 1 (each rank "
+                    "runs on torch's threads); leave one of them unset"
+                )
         self._check_prefix_cache_dir()
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be >= 1")
@@ -147,9 +188,14 @@ class EngineConfig:
         return cls(**{k: v for k, v in kwargs.items() if k in known})
 
     def cache_key(self) -> tuple:
-        """A hashable identity: equal keys mean one engine can serve both."""
-        return tuple(
-            (f.name, repr(getattr(self, f.name)))
-            for f in dataclasses.fields(self)
-            if f.name not in ("disable_log_stats", "log_stats_interval")
-        )
+        """A hashable identity: equal keys mean one engine can serve both. Settings that
+        cannot change the engine are left out, so they never start a second one (a second
+        copy of the weights): the log settings; trust_remote_code (the engine runs no code
+        from a model repository: it implements each family itself) and enforce_eager (it
+        has no CUDA graphs); and device "auto" counts as the device it resolves to."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in _NO_EFFECT_ON_THE_ENGINE:
+            values.pop(name)
+        if values["device"] == "auto":
+            values["device"] = _auto_device()
+        return tuple((name, repr(value)) for name, value in values.items())

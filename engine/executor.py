@@ -115,10 +115,10 @@ class LocalExecutor:
         """On the CPU fast path, this thread's steps run on the kernels' own thread pool
         (kernels/csrc/thread_pool.cpp, `kernel_thread`): torch's own ops on it (indexing,
         the sampler) run on it alone, so that no OpenMP worker spins beside the pool after
-        them. The pool keeps torch's thread count as this thread finds it now. Elsewhere
-        torch's threads do the work, and nothing changes."""
+        them. The pool uses `num_threads` threads, or torch's thread count as this thread
+        finds it now. Elsewhere torch's threads do the work, and nothing changes."""
         if self.plan.fused_cpu:
-            torch.ops.pagedllm.kernel_thread(torch.get_num_threads())
+            torch.ops.pagedllm.kernel_thread(self.config.num_threads or torch.get_num_threads())
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -21,7 +21,7 @@ import torch
 
 from .client import ModelInfo, PromptType
 from .compute_plan import choose_plan
-from .config import EngineConfig, GiB
+from .config import ContextLengthError, EngineConfig, GiB
 from .disk_prefix_cache import DiskPrefixCache
 from .executor import build_executor
 from .generation_config import generation_defaults, read_generation_config
@@ -77,6 +77,7 @@ class LLMEngine:
             self.model_config.torch_dtype,
             config.tensor_parallel_size,
         )
+        self._check_num_threads()
         self.dtype = self.plan.dtype
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
@@ -177,15 +178,29 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------ model setup
+    def _check_num_threads(self) -> None:
+        """num_threads sets the threads of the CPU fast path's kernels: on a GPU the CPU
+        does no such work (noted); a CPU path on torch's threads refuses it."""
+        threads = self.config.num_threads
+        if threads is None or self.plan.fused_cpu:
+            return
+        if self.device.type != "cpu":
+            logger.warning(
+                "num_threads=%d has no effect: the model runs on %s", threads, self.device
+            )
+            return
+        raise ValueError(
+            f"num_threads={threads} sets the threads of the CPU fast path's kernels, and "
+            f"this engine runs {self.plan.describe()} on torch's threads: call "
+            "torch.set_num_threads(n) instead"
+        )
+
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:
             return min(limit, _DEFAULT_MAX_MODEL_LEN_CAP)
         if self.config.max_model_len > limit and not self.model_config.rope_scaling:
-            raise ValueError(
-                f"max_model_len {self.config.max_model_len} exceeds the model's context "
-                f"length {limit} (max_position_embeddings)"
-            )
+            raise ContextLengthError(self.config.max_model_len, limit)
         return self.config.max_model_len
 
     def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:

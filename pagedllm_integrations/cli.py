@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+logger = logging.getLogger(__name__)
+
 # subcommand -> (module relative to this package, help). Each module defines
 # `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS = {
@@ -79,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(hint, file=sys.stderr)
         return 2
+    except (ValueError, OSError) as error:
+        # What a user can get wrong (a model name, a setting, a file): one line, not a
+        # traceback; --log-level debug shows the traceback.
+        logger.debug("pagedllm %s failed", args.command, exc_info=True)
+        print(f"pagedllm {args.command}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ calls from threads or tasks are merged by the engine's continuous batching. `clo
 a `with` block) gives the engine back; the last one to do so frees its memory.
 
 The constructor also takes the settings of the classes it replaces (VLLM, VLLMOpenAI,
-HuggingFacePipeline; ChatOllama, ChatHuggingFace), mapped onto its own or refused by name.
+HuggingFacePipeline, OllamaLLM; ChatOllama, ChatHuggingFace, ChatLlamaCpp, ChatOpenAI),
+mapped onto its own or refused by name.
 """
 
 from __future__ import annotations
@@ -115,12 +116,16 @@ class PagedLLM(EngineOwner, BaseLLM):
     """Any EngineConfig field: max_model_len, kv_cache_memory, enable_prefix_caching, ..."""
     timeout: float | None = None
     """Seconds a call may take; the request is aborted and TimeoutError raised after it."""
+    validate_model_on_init: bool = False
+    """True: load the model at construction, so that a bad model fails there."""
 
     _config: EngineConfig = PrivateAttr()
+    _setting_names: dict[str, str] = PrivateAttr(default_factory=dict)
     _engine: EngineClient | None = PrivateAttr(default=None)
     _sampling_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    # Settings of the libraries this class replaces, mapped onto its own or refused.
+    # Settings of the libraries this class replaces, mapped onto its own or refused. Defined
+    # above the after-validator below, which therefore runs after it (peer_settings.py).
     _peer_settings = peer_settings_validator(LLM_PEERS, "engine_kwargs", "vllm_kwargs")
 
     @model_validator(mode="after")
@@ -142,6 +147,8 @@ class PagedLLM(EngineOwner, BaseLLM):
         # A bad sampling value fails here, not at the first call.
         defaults = {k: v for k, v in self._default_params().items() if k != "best_of"}
         SamplingParams.from_kwargs(**merge_sampling({}, defaults, self._sampling_extra))
+        if self.validate_model_on_init:
+            self._get_engine()
         return self
 
     @classmethod

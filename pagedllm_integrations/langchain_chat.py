@@ -35,9 +35,10 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from .chat.logprobs import chat_logprobs
 from .chat.outputs import ChatChoice, Usage, check_complete, read_choice
-from .chat.prepare import ChatOptions, count_chat_tokens, prepare_chat
+from .chat.prepare import ChatOptions, prepare_chat
 from .chat.sampling import build_sampling_params, merge_stops
 from .chat.stream import ChoiceStream, aiter_outputs, arun_all, iter_outputs, run_all
+from .chat.token_count import count_chat_tokens
 from .chat.tool_choice import ToolPlan, normalize_tool_choice
 from .engine.client import EngineClient
 from .engine.config import EngineConfig
@@ -46,8 +47,10 @@ from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from .langchain_messages import to_openai_messages
 from .langchain_support import PROVIDER, split_call_kwargs
+from .langchain_tools import ToolsBinding
 from .owner import EngineOwner, build_engine_config
-from .peer_settings import peer_settings_validator
+from .peer_options import IN_PROCESS, MAX_RETRIES
+from .peer_settings import note_once, peer_settings_validator
 from .peer_tables import CHAT_PEERS
 
 logger = logging.getLogger(__name__)
@@ -80,9 +83,10 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
     timeout: float | None = None
     """Seconds a call may take; the request is aborted and TimeoutError raised after it."""
     max_retries: int | None = None
-    """Accepted for drop-in use; an in-process engine has no transient errors to retry."""
+    """Accepted for drop-in use, with a logged note: an in-process engine has no transient
+    errors to retry."""
     api_key: SecretStr | None = Field(default=None, exclude=True)
-    """Accepted for drop-in use and ignored: there is no server to authenticate to."""
+    """Accepted for drop-in use, with a logged note: there is no server to authenticate to."""
     dtype: str = "auto"
     download_dir: str | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -93,10 +97,12 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
     """True: load the model at construction, so that a bad model fails there."""
 
     _config: EngineConfig = PrivateAttr()
+    _setting_names: dict[str, str] = PrivateAttr(default_factory=dict)
     _engine: EngineClient | None = PrivateAttr(default=None)
     _sampling_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    # Settings of the libraries this class replaces, mapped onto its own or refused.
+    # Settings of the libraries this class replaces, mapped onto its own or refused. Defined
+    # above the after-validator below, which therefore runs after it (peer_settings.py).
     _peer_settings = peer_settings_validator(CHAT_PEERS, "engine_kwargs", "model_kwargs")
 
     @model_validator(mode="after")
@@ -110,6 +116,10 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
             self._sampling_extra["structured_outputs"] = StructuredOutputsParams(**structured)
         # A bad sampling value fails here, not at the first call.
         build_sampling_params({}, self._default_params(), self._sampling_extra)
+        if self.api_key is not None:
+            note_once(type(self).__name__, "api_key", self.api_key, IN_PROCESS)
+        if self.max_retries is not None:
+            note_once(type(self).__name__, "max_retries", self.max_retries, MAX_RETRIES)
         if self.validate_model_on_init:
             self._get_engine()
         return self
@@ -178,8 +188,11 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
     def get_num_tokens_from_messages(
         self, messages: list[BaseMessage], tools: Sequence | None = None
     ) -> int:
-        """The prompt tokens of this conversation as a call sends it: the model's chat
-        template with the tools described in it (what usage reports as input_tokens)."""
+        """The prompt tokens of this conversation: its turns as the model's chat template
+        renders them, the tools described in it and the generation prompt. It never counts
+        a default system prompt the template adds to a conversation without one, so counts
+        of parts add up (`trim_messages` keeps what fits); a conversation that starts with
+        a system message counts what usage reports as input_tokens."""
         formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
         return count_chat_tokens(self._get_engine(), to_openai_messages(messages), formatted)
 
@@ -365,7 +378,8 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         formatted = [convert_to_openai_tool(t) for t in tools]
         if tool_choice is not None:
             kwargs["tool_choice"] = normalize_tool_choice(tool_choice, formatted)
-        return super().bind(tools=formatted, **kwargs)
+        # Its with_structured_output is refused: LangChain's would drop the tools.
+        return ToolsBinding(bound=self, kwargs={"tools": formatted, **kwargs}, config={})
 
     def with_structured_output(
         self,

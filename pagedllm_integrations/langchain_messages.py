@@ -7,6 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from .engine.chat_messages import not_text_message
+
 
 def message_text(content: Any) -> str:
     """Plain text of a message's content (a string or a list of content blocks)."""
@@ -21,9 +23,7 @@ def message_text(content: Any) -> str:
             if kind == "text":
                 parts.append(block.get("text", ""))
             elif kind in ("image", "image_url", "audio", "input_audio", "file", "video"):
-                raise ValueError(
-                    f"a {kind!r} content block was given, but pagedllm models read text only"
-                )
+                raise ValueError(not_text_message(kind))
             # tool_use / thinking / reasoning blocks: the tool calls travel in tool_calls.
     return "".join(parts)
 

@@ -48,7 +48,7 @@ try:
     )
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.function_calling import FunctionCallingLLM
-    from llama_index.core.llms.llm import ToolSelection
+    from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         'PagedLlamaIndexLLM needs llama-index-core: pip install "pagedllm[llama-index]"'
@@ -102,8 +102,10 @@ class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
 
     Sampling settings left at None take the model's generation_config.json defaults, else
     vLLM's neutral ones; `max_new_tokens=None` generates until the end of the answer or of
-    the context. The constructor also takes LlamaIndex Ollama's and Vllm's settings, mapped
-    onto these or refused by name. `close()` gives the shared engine back.
+    the context. The constructor also takes the settings of LlamaIndex's Ollama, Vllm,
+    LlamaCPP and OpenAILike, mapped onto these or refused by name. With `is_chat_model`
+    (the default), complete() sends its prompt through the chat template, as Ollama's and
+    OpenAILike's do. `close()` gives the shared engine back.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -128,7 +130,9 @@ class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
         default=False, description="Every answer is a JSON object (constrained decoding)."
     )
     is_chat_model: bool = Field(
-        default=True, description="False: query engines call complete() with their own prompt."
+        default=True,
+        description="True: complete() sends the prompt as a user turn of the chat template "
+        "(as Ollama's does); False: as it is, and query engines call complete().",
     )
     is_function_calling_model: bool = Field(default=True)
     engine_kwargs: dict[str, Any] = Field(
@@ -139,9 +143,11 @@ class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
     )
 
     _config: EngineConfig = PrivateAttr()
+    _setting_names: dict[str, str] = PrivateAttr(default_factory=dict)
     _engine: EngineClient | None = PrivateAttr(default=None)
 
-    # Settings of the libraries this class replaces, mapped onto its own or refused.
+    # Settings of the libraries this class replaces, mapped onto its own or refused. Defined
+    # above the after-validator below, which therefore runs after it (peer_settings.py).
     _peer_settings = peer_settings_validator(LLAMA_INDEX_PEERS, "engine_kwargs", "sampling_kwargs")
 
     @model_validator(mode="after")
@@ -236,11 +242,26 @@ class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
     def _completion_request(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any], stream: bool
     ) -> tuple[PromptType, SamplingParams, ToolPlan]:
+        if self._completes_through_chat():
+            # As Ollama's and OpenAILike's complete() with is_chat_model: the prompt is the
+            # user turn of a chat (after the system_prompt, if one is set).
+            messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
+            if self.system_prompt:
+                messages.insert(0, ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt))
+            return self._chat_request(messages, kwargs, stream)
         if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
         plan = plan_tools(None, None, self._options(kwargs).structured)
         params = self._sampling_params(kwargs, stream=stream)
         return prompt, params.clone(structured_outputs=plan.constraint), plan
+
+    def _completes_through_chat(self) -> bool:
+        """complete() renders the chat template when the model is a chat model, the user
+        gave no completion_to_prompt of their own, and the model has a template."""
+        own_format = self.completion_to_prompt not in (None, default_completion_to_prompt)
+        if not self.is_chat_model or own_format:
+            return False
+        return getattr(self.engine.tokenizer, "chat_template", None) is not None
 
     def _start(self, request: tuple) -> tuple[Iterator[RequestOutput], CallState]:
         """Submit now (bad input raises here, in the caller); outputs as they come."""

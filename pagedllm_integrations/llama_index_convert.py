@@ -23,6 +23,7 @@ from .chat.logprobs import chat_logprobs
 from .chat.outputs import ChatChoice, Usage, check_complete, read_choice
 from .chat.stream import ChoiceStream
 from .chat.tool_choice import ToolPlan
+from .engine.chat_messages import not_text_message
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .engine.tool_calls import new_call_id
@@ -59,10 +60,7 @@ def to_openai_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                     }
                 )
             elif block.block_type in _NON_TEXT_BLOCKS:
-                raise ValueError(
-                    f"a message holds a {block.block_type} block, but pagedllm serves "
-                    "text-only models: send text"
-                )
+                raise ValueError(not_text_message(block.block_type))
             # Thinking blocks, cache points and citations carry nothing for the template.
         entry: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
         if role == "assistant":

@@ -12,7 +12,7 @@ from typing import Any
 
 from .chat.sampling import SAMPLING_FIELDS
 from .engine.client import EngineClient
-from .engine.config import EngineConfig
+from .engine.config import ContextLengthError, EngineConfig
 from .engine.factory import release_shared_engine, shared_engine
 from .peer_settings import ENGINE_FIELDS
 
@@ -71,11 +71,24 @@ class EngineOwner:
 
     _config: EngineConfig
     _engine: EngineClient | None
+    _setting_names: dict[str, str]  # ours -> the name the user gave it (peer_settings.py)
 
     def _get_engine(self) -> EngineClient:
         # A shut-down engine (shutdown_shared_engines, close) is replaced on the next call.
         if self._engine is None or not self._engine.is_running:
-            self._engine = shared_engine(self._config, owner=self)
+            try:
+                self._engine = shared_engine(self._config, owner=self)
+            except ContextLengthError as error:
+                # Name the setting the user gave (num_ctx, context_window, n_ctx).
+                name = self._setting_names.get("max_model_len")
+                if name is None:
+                    raise
+                message = (
+                    f"{name}={error.requested} exceeds the model's context length "
+                    f"{error.limit}: give at most {error.limit}, or leave {name} unset for "
+                    "the model's own"
+                )
+                raise ContextLengthError(error.requested, error.limit, message) from None
         return self._engine
 
     @property

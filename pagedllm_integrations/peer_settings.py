@@ -1,8 +1,10 @@
 """Settings of the libraries pagedllm replaces, mapped onto its own, or refused by name.
 
-A user switching from ChatOllama, ChatHuggingFace / HuggingFacePipeline, VLLM / VLLMOpenAI
-or LlamaIndex's Ollama / Vllm keeps their constructor call and changes the import line.
-Every setting they pass is then one of:
+A user switching from another library (ChatOllama, ChatLlamaCpp, ChatOpenAI, ChatHuggingFace,
+HuggingFacePipeline, VLLM, VLLMOpenAI, OllamaLLM; LlamaIndex's Ollama, Vllm, LlamaCPP,
+OpenAILike) keeps their constructor call and changes the import line. Every setting they
+pass, and every entry of the option dicts they pass (Ollama's options, llama.cpp's
+`model_kwargs` and `generate_kwargs`, OpenAI's `extra_body`), is then one of:
 
 - ours (same name and meaning);
 - renamed onto ours (`model_id` -> `model`, `num_predict` -> `max_tokens`, ...);
@@ -25,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine.config import EngineConfig
-from .engine.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,18 @@ ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 class Mapped:
     """What a constructor call's settings become."""
 
+    owner: str = ""  # the wrapper's class name, for messages
     fields: dict[str, Any] = field(default_factory=dict)  # the wrapper's own fields
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig settings
     sampling: dict[str, Any] = field(default_factory=dict)  # sampling defaults of every call
+    # The settings of a wrapped object (ChatHuggingFace's `llm=`): defaults that the
+    # constructor's own explicit arguments override, never a clash.
+    wrapped_fields: dict[str, Any] = field(default_factory=dict)
+    wrapped_engine: dict[str, Any] = field(default_factory=dict)
+    wrapped_sampling: dict[str, Any] = field(default_factory=dict)
+    # Our setting -> the name the user gave it (`max_model_len` -> `num_ctx`), so that an
+    # error about the setting names what the user wrote.
+    names: dict[str, str] = field(default_factory=dict)
 
     def destination(self, into: str) -> dict[str, Any]:
         return {"field": self.fields, "engine": self.engine, "sampling": self.sampling}[into]
@@ -85,10 +95,20 @@ class Refuse:
 
 @dataclass(frozen=True, slots=True)
 class Custom:
+    """A setting with its own mapping (a dict of options, an object to take settings from)."""
+
     apply: Callable[[Any, Mapped], None]
 
 
-Setting = MapTo | Note | Refuse | Custom
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """For a wrapper's own dict field that peers also use with other entries: `apply`
+    maps the peers' entries and returns what the field keeps."""
+
+    apply: Callable[[Any, Mapped], Any]
+
+
+Setting = MapTo | Note | Refuse | Custom | Filter
 _noted: set[tuple[str, str]] = set()
 
 
@@ -100,10 +120,11 @@ def translate(
     peers: dict[str, Setting],
     engine_field: str,
     sampling_field: str,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The constructor's keyword arguments with the peers' settings mapped onto `own`
     fields (engine settings merged into `engine_field`, sampling into `sampling_field`;
-    what the user put there explicitly wins). ValueError for what cannot be honoured."""
+    what the user put there explicitly wins), and the names the user gave the settings
+    mapped (ours -> theirs). ValueError for what cannot be honoured."""
     out = {k: v for k, v in values.items() if k in own}
     unknown = sorted(k for k in values if k not in own and k not in peers)
     if unknown:
@@ -112,25 +133,14 @@ def translate(
             f"{sorted(own)}; settings of other libraries it maps: {sorted(peers)} "
             "(see the README's table)"
         )
-    mapped = Mapped()
+    mapped = Mapped(owner=owner)
     for key, value in values.items():
+        rule = peers.get(key)
         if key in own:
+            if isinstance(rule, Filter):
+                out[key] = rule.apply(value, mapped)
             continue
-        rule = peers[key]
-        if isinstance(rule, MapTo):
-            destination = mapped.destination(rule.into)
-            if rule.target in destination:
-                raise ValueError(f"{owner}: {rule.target!r} is given twice (also as {key!r})")
-            destination[rule.target] = rule.convert(value) if rule.convert else value
-        elif isinstance(rule, Note):
-            if value is not None and (owner, key) not in _noted:
-                _noted.add((owner, key))
-                logger.warning("%s: %s=%r has no effect: %s", owner, key, value, rule.reason)
-        elif isinstance(rule, Refuse):
-            if not any(value == ok for ok in rule.accepted):
-                raise ValueError(f"{owner}: {key}={value!r} is not supported: {rule.reason}")
-        else:
-            rule.apply(value, mapped)
+        apply_rule(rule, key, value, mapped)
     for name, value in mapped.fields.items():
         given = out.get(name)
         if given is not None and given != value:
@@ -139,7 +149,63 @@ def translate(
     for field_name, settings in ((engine_field, mapped.engine), (sampling_field, mapped.sampling)):
         if settings:
             out[field_name] = _merge(owner, field_name, settings, out.get(field_name) or {})
-    return out
+    # A wrapped object's settings apply where the constructor gives none of its own.
+    for name, value in mapped.wrapped_fields.items():
+        if out.get(name) is None:
+            out[name] = value
+    for field_name, settings in (
+        (engine_field, mapped.wrapped_engine),
+        (sampling_field, mapped.wrapped_sampling),
+    ):
+        if settings:
+            out[field_name] = {**settings, **(out.get(field_name) or {})}
+    return out, mapped.names
+
+
+def apply_rule(rule: Setting | None, label: str, value: Any, mapped: Mapped) -> None:
+    """One setting (`label`: the name the user wrote, `where[key]` inside a dict) by its
+    rule; ValueError where it is refused."""
+    if isinstance(rule, MapTo):
+        destination = mapped.destination(rule.into)
+        if rule.target in destination:
+            raise ValueError(f"{mapped.owner}: {rule.target!r} is given twice (also as {label})")
+        destination[rule.target] = rule.convert(value) if rule.convert else value
+        mapped.names[rule.target] = label
+    elif isinstance(rule, Note):
+        if value is not None:
+            note_once(mapped.owner, label, value, rule.reason)
+    elif isinstance(rule, Refuse):
+        if not any(value == ok for ok in rule.accepted):
+            raise ValueError(f"{mapped.owner}: {label}={value!r} is not supported: {rule.reason}")
+    elif isinstance(rule, Custom | Filter):
+        rule.apply(value, mapped)
+    else:  # pragma: no cover - the tables name a rule for every key they hold
+        raise AssertionError(f"no rule for {label}")
+
+
+def map_options(
+    options: dict | None, table: dict[str, Setting], mapped: Mapped, where: str, what: str
+) -> None:
+    """Each entry of an option dict (Ollama's options, llama.cpp's model_kwargs, ...) by
+    `table`; ValueError naming an entry the table does not know (`what` it is not)."""
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"{where} must be a dict, got {type(options).__name__}")
+    for key, value in (options or {}).items():
+        if key not in table:
+            raise ValueError(
+                f"{where}[{key!r}] is not {what} pagedllm knows; known: {sorted(table)}"
+            )
+        apply_rule(table[key], f"{where}[{key!r}]", value, mapped)
+
+
+def note_once(owner: str, key: str, value: Any, reason: str) -> None:
+    """Log, once per wrapper class and setting, that a setting has no effect and why. The
+    value of a key or token is not written to the log."""
+    if (owner, key) in _noted:
+        return
+    _noted.add((owner, key))
+    shown = "<hidden>" if "key" in key or "token" in key else repr(value)
+    logger.warning("%s: %s=%s has no effect: %s", owner, key, shown, reason)
 
 
 def _merge(owner: str, where: str, mapped: dict[str, Any], given: dict[str, Any]) -> dict:
@@ -154,14 +220,17 @@ def _merge(owner: str, where: str, mapped: dict[str, Any], given: dict[str, Any]
 
 
 def peer_settings_validator(peers: dict[str, Setting], engine_field: str, sampling_field: str):
-    """A pydantic before-validator for a wrapper: its constructor's settings through
-    `translate` (assign it to a class attribute of the wrapper)."""
+    """A pydantic wrap-validator for a wrapper: its constructor's settings through
+    `translate` (assign it to a class attribute of the wrapper, above its own
+    validators). The wrapper keeps the names the user gave mapped settings in its private
+    `_setting_names`; pydantic runs the after-validators defined below this one after it,
+    so they see those names (an engine loaded there names the user's settings)."""
     from pydantic import model_validator
 
-    def map_peer_settings(cls: Any, values: Any) -> Any:
+    def map_peer_settings(cls: Any, values: Any, handler: Callable[[Any], Any]) -> Any:
         if not isinstance(values, dict):
-            return values
-        return translate(
+            return handler(values)
+        translated, names = translate(
             values,
             owner=cls.__name__,
             own=own_names(cls),
@@ -169,8 +238,11 @@ def peer_settings_validator(peers: dict[str, Setting], engine_field: str, sampli
             engine_field=engine_field,
             sampling_field=sampling_field,
         )
+        instance = handler(translated)
+        instance._setting_names = names
+        return instance
 
-    return model_validator(mode="before")(classmethod(map_peer_settings))  # type: ignore[arg-type]
+    return model_validator(mode="wrap")(classmethod(map_peer_settings))  # type: ignore[arg-type]
 
 
 def own_names(model_class: Any) -> set[str]:
@@ -178,84 +250,3 @@ def own_names(model_class: Any) -> set[str]:
     names = set(model_class.model_fields)
     names.update(f.alias for f in model_class.model_fields.values() if f.alias)
     return names
-
-
-# ------------------------------------------------------------------ conversions
-IN_PROCESS = "pagedllm runs the model in this process; there is no server to reach"
-KEEP_ALIVE = (
-    "the engine runs in this process and stays loaded until close() or shutdown_shared_engines()"
-)
-
-
-def max_tokens_from_ollama(value: int | None) -> int | None:
-    """num_predict: -1 (no limit) and -2 (fill the context) are our default, no limit."""
-    if value is None or value in (-1, -2):
-        return None
-    if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"num_predict must be a positive integer, -1 or -2; got {value!r}")
-    return value
-
-
-def context_length(value: int | None) -> int | None:
-    """num_ctx / context_window; -1 or None: the model's own context length."""
-    return None if value in (None, -1) else value
-
-
-def structured_format(value: Any) -> StructuredOutputsParams | None:
-    """Ollama's `format`: "json" for any JSON object, or a JSON schema."""
-    if value in (None, ""):
-        return None
-    if value == "json":
-        return StructuredOutputsParams(json_object=True)
-    if isinstance(value, dict):
-        return StructuredOutputsParams(json=value)
-    raise ValueError(f"format must be '', 'json' or a JSON schema dict; got {value!r}")
-
-
-def logit_bias(value: dict | None) -> dict[int, float] | None:
-    """Token id (int or its string, as OpenAI sends it) -> bias."""
-    if not value:
-        return None
-    return {int(k): float(v) for k, v in value.items()}
-
-
-# --------------------------------------------------------------- Ollama's options
-# ChatOllama's fields and LlamaIndex Ollama's `additional_kwargs` are Ollama's options.
-OLLAMA_OPTIONS: dict[str, Setting] = {
-    "num_predict": to_sampling("max_tokens", max_tokens_from_ollama),
-    "num_ctx": to_engine("max_model_len", context_length),
-    "repeat_penalty": to_sampling("repetition_penalty"),
-    "temperature": to_sampling("temperature"),
-    "top_k": to_sampling("top_k"),
-    "top_p": to_sampling("top_p"),
-    "min_p": to_sampling("min_p"),
-    "seed": to_sampling("seed"),
-    "stop": to_sampling("stop"),
-    "presence_penalty": to_sampling("presence_penalty"),
-    "frequency_penalty": to_sampling("frequency_penalty"),
-    "repeat_last_n": Refuse("the repetition penalty covers the whole text; drop repeat_last_n"),
-    "mirostat": Refuse("Mirostat sampling is not implemented; use top_p / min_p", (None, 0)),
-    "mirostat_eta": Refuse("Mirostat sampling is not implemented"),
-    "mirostat_tau": Refuse("Mirostat sampling is not implemented"),
-    "tfs_z": Refuse("tail-free sampling is not implemented; use min_p", (None, 1, 1.0)),
-    "num_gpu": Refuse("choose the device with engine_kwargs={'device': 'cuda' | 'cpu'}"),
-    "num_thread": Refuse("torch sets the CPU threads: call torch.set_num_threads(n)"),
-}
-
-
-def ollama_options(options: dict | None, mapped: Mapped, where: str) -> None:
-    """Each Ollama option onto the engine or sampling settings (ValueError if refused)."""
-    for key, value in (options or {}).items():
-        rule = OLLAMA_OPTIONS.get(key)
-        if rule is None:
-            raise ValueError(
-                f"{where}[{key!r}] is not an Ollama option pagedllm knows; known: "
-                f"{sorted(OLLAMA_OPTIONS)}"
-            )
-        if isinstance(rule, Refuse):
-            if not any(value == ok for ok in rule.accepted):
-                raise ValueError(f"{where}[{key!r}]={value!r} is not supported: {rule.reason}")
-            continue
-        assert isinstance(rule, MapTo)
-        value = rule.convert(value) if rule.convert is not None else value
-        mapped.destination(rule.into)[rule.target] = value

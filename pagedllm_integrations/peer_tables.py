@@ -1,8 +1,8 @@
 """Which settings of which library map onto which wrapper (see peer_settings.py).
 
-ChatPagedLLM        <- ChatOllama, ChatHuggingFace
-PagedLLM            <- VLLM (same fields), VLLMOpenAI, HuggingFacePipeline
-PagedLlamaIndexLLM  <- LlamaIndex Ollama, LlamaIndex Vllm
+ChatPagedLLM        <- ChatOllama, ChatHuggingFace, ChatLlamaCpp, ChatOpenAI
+PagedLLM            <- VLLM (same fields), VLLMOpenAI, HuggingFacePipeline, OllamaLLM
+PagedLlamaIndexLLM  <- LlamaIndex Ollama, Vllm, LlamaCPP, OpenAILike
 """
 
 from __future__ import annotations
@@ -10,35 +10,61 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .chat.sampling import SAMPLING_FIELDS
 from .engine.config import EngineConfig
-from .peer_settings import (
+from .peer_options import (
     IN_PROCESS,
     KEEP_ALIVE,
+    LLAMA_CPP_LOADING,
+    LLAMA_CPP_SAMPLING,
+    LOGGING,
+    MAX_RETRIES,
+    NO_HTTP_CLIENT,
+    NO_REASONING,
     OLLAMA_OPTIONS,
+    OPENAI_REQUEST,
+    context_length,
+    extra_body,
+    gbnf_grammar_file,
+    logit_bias,
+    max_tokens_from_ollama,
+    structured_format,
+)
+from .peer_settings import (
+    ENGINE_FIELDS,
     Custom,
+    Filter,
     Mapped,
     Note,
     Refuse,
     Setting,
-    context_length,
-    logit_bias,
-    max_tokens_from_ollama,
-    ollama_options,
+    apply_rule,
+    map_options,
     rename,
-    structured_format,
     to_engine,
     to_sampling,
 )
 
-NO_HTTP_CLIENT = "there is no HTTP client: the model runs in this process"
 ONE_ANSWER = "LlamaIndex takes one answer per call; call again for more"
-MAX_RETRIES = "an in-process engine has no transient errors to retry"
 BATCHED = "every prompt of a call goes to the engine at once and is batched there"
+NO_DOWNLOAD = (
+    "pagedllm does not download model files at run time: download the file and pass its "
+    "path (model_path=... or model=...)"
+)
+OPENAI_ONLY = "a feature of OpenAI's hosted API"
 
 
 # ------------------------------------------------------------------ ChatPagedLLM
+# ChatPagedLLM's own sampling fields, named as SamplingParams names them.
+_CHAT_SAMPLING_FIELDS = frozenset(
+    {"temperature", "max_tokens", "top_p", "top_k", "min_p", "presence_penalty",
+     "frequency_penalty", "repetition_penalty", "seed", "stop"}
+)  # fmt: skip
+
+
 def _from_llm(llm: Any, mapped: Mapped) -> None:
-    """ChatHuggingFace(llm=...): the chat model takes the LLM's model and settings."""
+    """ChatHuggingFace(llm=...): the chat model serves the LLM's model, and the LLM's engine
+    and sampling settings are its defaults: the chat model's own explicit arguments win."""
     from .langchain import PagedLLM
 
     if not isinstance(llm, PagedLLM):
@@ -47,8 +73,8 @@ def _from_llm(llm: Any, mapped: Mapped) -> None:
             f"the stand-in for HuggingFacePipeline); got {type(llm).__name__}"
         )
     config = llm._config
-    mapped.fields["model"] = config.model
-    mapped.engine.update(
+    mapped.fields["model"] = config.model  # another model beside it is a contradiction
+    mapped.wrapped_engine.update(
         {
             f.name: getattr(config, f.name)
             for f in dataclasses.fields(EngineConfig)
@@ -57,7 +83,16 @@ def _from_llm(llm: Any, mapped: Mapped) -> None:
     )
     defaults = {k: v for k, v in llm._default_params().items() if k not in ("n", "best_of")}
     defaults.update(llm._sampling_extra)
-    mapped.sampling.update({k: v for k, v in defaults.items() if v is not None})
+    for key, value in defaults.items():
+        if value is None:
+            continue
+        if key == "logprobs":  # PagedLLM's logprobs=k: the chat model's top_logprobs
+            mapped.wrapped_fields["logprobs"] = True
+            mapped.wrapped_fields["top_logprobs"] = value or None
+        elif key in _CHAT_SAMPLING_FIELDS:
+            mapped.wrapped_fields[key] = value
+        else:
+            mapped.wrapped_sampling[key] = value
 
 
 def _tokenizer(value: Any, mapped: Mapped) -> None:
@@ -71,6 +106,23 @@ def _tokenizer(value: Any, mapped: Mapped) -> None:
     mapped.engine["tokenizer"] = value
 
 
+def _chat_model_kwargs(value: dict | None, mapped: Mapped) -> dict | None:
+    """ChatPagedLLM's model_kwargs: sampling and engine settings by our names stay (they are
+    its own); llama.cpp's loading arguments (ChatLlamaCpp) and OpenAI's request fields
+    (ChatOpenAI) are mapped; anything else stays, and is refused by name at validation."""
+    if not isinstance(value, dict):
+        return value
+    kept = {}
+    for key, item in value.items():
+        ours = key in SAMPLING_FIELDS or key in ENGINE_FIELDS
+        rule = LLAMA_CPP_LOADING.get(key) or OPENAI_REQUEST.get(key)
+        if ours or rule is None:
+            kept[key] = item
+        else:
+            apply_rule(rule, f"model_kwargs[{key!r}]", item, mapped)
+    return kept
+
+
 CHAT_PEERS: dict[str, Setting] = {
     # ChatOllama: its fields are Ollama's options.
     **OLLAMA_OPTIONS,
@@ -79,7 +131,7 @@ CHAT_PEERS: dict[str, Setting] = {
     "format": to_sampling("structured_outputs", structured_format),
     "keep_alive": Note(KEEP_ALIVE),
     "base_url": Note(IN_PROCESS),
-    "reasoning": Refuse("pagedllm has no reasoning mode", (None, False)),
+    "reasoning": Refuse(NO_REASONING, (None, False)),
     "client_kwargs": Refuse(NO_HTTP_CLIENT, (None, {})),
     "sync_client_kwargs": Refuse(NO_HTTP_CLIENT, (None, {})),
     "async_client_kwargs": Refuse(NO_HTTP_CLIENT, (None, {})),
@@ -90,10 +142,37 @@ CHAT_PEERS: dict[str, Setting] = {
     "stop_sequences": rename("stop"),
     "logit_bias": to_sampling("logit_bias", logit_bias),
     "stream_usage": Refuse("usage is always reported, streaming or not", (None, True)),
+    # ChatLlamaCpp: llama.cpp's loading arguments are its fields.
+    **LLAMA_CPP_LOADING,
+    "model_path": rename("model"),
+    "grammar": LLAMA_CPP_SAMPLING["grammar"],
+    "grammar_path": to_sampling("structured_outputs", gbnf_grammar_file),
+    "echo": LLAMA_CPP_SAMPLING["echo"],
+    "suffix": LLAMA_CPP_SAMPLING["suffix"],
+    "last_n_tokens_size": Note("the repetition penalty covers the whole text"),
+    # ChatOpenAI (pointed at a vLLM server): model_kwargs below, the rest here.
+    "model_kwargs": Filter(_chat_model_kwargs),
+    "extra_body": Custom(extra_body),
+    "max_completion_tokens": rename("max_tokens"),
+    "request_timeout": rename("timeout"),
+    "openai_api_key": Note(IN_PROCESS),  # a key is never written to the log
+    "openai_api_base": Note(IN_PROCESS),
+    "organization": Note(IN_PROCESS),
+    "openai_organization": Note(IN_PROCESS),
+    "openai_proxy": Refuse(NO_HTTP_CLIENT),
+    "default_headers": Refuse(NO_HTTP_CLIENT),
+    "default_query": Refuse(NO_HTTP_CLIENT),
+    "http_client": Refuse(NO_HTTP_CLIENT),
+    "http_async_client": Refuse(NO_HTTP_CLIENT),
+    "tiktoken_model_name": Refuse("the model's own tokenizer counts tokens"),
+    "reasoning_effort": Refuse(NO_REASONING),
+    "use_responses_api": Refuse("the chat completions interface is what runs", (None, False)),
+    "service_tier": Refuse(OPENAI_ONLY),
+    "store": Refuse(OPENAI_ONLY, (None, False)),
 }
 for _name in ("temperature", "top_k", "top_p", "seed", "stop", "presence_penalty",
-              "frequency_penalty", "min_p"):  # fmt: skip
-    CHAT_PEERS.pop(_name)  # ChatPagedLLM's own fields
+              "frequency_penalty", "min_p", "verbose"):  # fmt: skip
+    CHAT_PEERS.pop(_name)  # ChatPagedLLM's own fields (verbose: LangChain's)
 
 
 # --------------------------------------------------------------------- PagedLLM
@@ -103,8 +182,6 @@ _HF_LOADING = {"torch_dtype", "dtype", "trust_remote_code", "revision", "device_
 def _model_kwargs(value: dict | None, mapped: Mapped) -> None:
     """VLLMOpenAI's model_kwargs are request parameters; HuggingFacePipeline's are
     from_pretrained arguments. Each key is routed by what it is."""
-    from .chat.sampling import SAMPLING_FIELDS
-
     for key, item in (value or {}).items():
         if key in SAMPLING_FIELDS:
             mapped.sampling[key] = logit_bias(item) if key == "logit_bias" else item
@@ -148,6 +225,10 @@ def _pipeline_kwargs(value: dict | None, mapped: Mapped) -> None:
             )
 
 
+# PagedLLM's own sampling fields (VLLM's), which OllamaLLM's options of these names are.
+_LLM_OWN_SAMPLING = ("temperature", "top_k", "top_p", "stop", "presence_penalty",
+                     "frequency_penalty")  # fmt: skip
+
 LLM_PEERS: dict[str, Setting] = {
     # VLLMOpenAI (and the OpenAI LLM it extends).
     "model_name": rename("model"),
@@ -166,8 +247,8 @@ LLM_PEERS: dict[str, Setting] = {
     "seed": to_sampling("seed"),
     "repetition_penalty": to_sampling("repetition_penalty"),
     "min_p": to_sampling("min_p"),
-    "openai_organization": Refuse(IN_PROCESS),
-    "organization": Refuse(IN_PROCESS),
+    "openai_organization": Note(IN_PROCESS),
+    "organization": Note(IN_PROCESS),
     "openai_proxy": Refuse(IN_PROCESS),
     "default_headers": Refuse(NO_HTTP_CLIENT),
     "default_query": Refuse(NO_HTTP_CLIENT),
@@ -179,12 +260,47 @@ LLM_PEERS: dict[str, Setting] = {
     # HuggingFacePipeline.
     "pipeline": Refuse("a transformers pipeline object cannot be served; give model_id / model"),
     "pipeline_kwargs": Custom(_pipeline_kwargs),
+    # OllamaLLM: its fields are Ollama's options.
+    **{k: v for k, v in OLLAMA_OPTIONS.items() if k not in _LLM_OWN_SAMPLING},
+    "num_predict": rename("max_new_tokens", max_tokens_from_ollama),
+    "format": to_sampling("structured_outputs", structured_format),
+    "keep_alive": Note(KEEP_ALIVE),
+    "reasoning": Refuse(NO_REASONING, (None, False)),
+    "client_kwargs": Refuse(NO_HTTP_CLIENT, (None, {})),
+    "sync_client_kwargs": Refuse(NO_HTTP_CLIENT, (None, {})),
+    "async_client_kwargs": Refuse(NO_HTTP_CLIENT, (None, {})),
 }
 
 
 # ------------------------------------------------------------ PagedLlamaIndexLLM
+# LlamaIndex Ollama's additional_kwargs are Ollama's options; OpenAILike's are fields of the
+# OpenAI request. The names they share mean the same.
+_ADDITIONAL_KWARGS = {**OLLAMA_OPTIONS, **OPENAI_REQUEST}
+
+
 def _additional_kwargs(value: dict | None, mapped: Mapped) -> None:
-    ollama_options(value, mapped, "additional_kwargs")
+    map_options(
+        value, _ADDITIONAL_KWARGS, mapped, "additional_kwargs",
+        "an Ollama option or an OpenAI request field",
+    )  # fmt: skip
+
+
+def _llama_cpp_model_kwargs(value: dict | None, mapped: Mapped) -> None:
+    map_options(value, LLAMA_CPP_LOADING, mapped, "model_kwargs", "a llama.cpp Llama() argument")
+
+
+def _llama_cpp_generate_kwargs(value: dict | None, mapped: Mapped) -> None:
+    map_options(
+        value, LLAMA_CPP_SAMPLING, mapped, "generate_kwargs", "a llama.cpp sampling argument"
+    )
+
+
+def _logprobs_flag_or_count(value: bool | int | None, mapped: Mapped) -> None:
+    """OpenAILike's logprobs is a flag (with top_logprobs for more), Vllm's a count."""
+    if isinstance(value, bool):
+        apply_rule(OPENAI_REQUEST["logprobs"], "logprobs", value, mapped)
+    else:
+        apply_rule(to_sampling("logprobs"), "logprobs", value, mapped)
 
 
 def _vllm_kwargs(value: dict | None, mapped: Mapped) -> None:
@@ -219,6 +335,31 @@ LLAMA_INDEX_PEERS: dict[str, Setting] = {
     "frequency_penalty": to_sampling("frequency_penalty"),
     "repetition_penalty": to_sampling("repetition_penalty"),
     "ignore_eos": to_sampling("ignore_eos"),
-    "logprobs": to_sampling("logprobs"),
+    "logprobs": Custom(_logprobs_flag_or_count),
     "api_url": Note(IN_PROCESS),
+    # LlamaIndex LlamaCPP.
+    "model_path": rename("model"),
+    "model_url": Refuse(NO_DOWNLOAD),
+    "model_kwargs": Custom(_llama_cpp_model_kwargs),
+    "generate_kwargs": Custom(_llama_cpp_generate_kwargs),
+    "verbose": Note(LOGGING),
+    # LlamaIndex OpenAILike (pointed at a vLLM server).
+    "max_tokens": rename("max_new_tokens"),
+    "api_base": Note(IN_PROCESS),
+    "api_key": Note(IN_PROCESS),
+    "api_version": Note(IN_PROCESS),
+    "max_retries": Note(MAX_RETRIES),
+    "reuse_client": Note(NO_HTTP_CLIENT),
+    "top_logprobs": OPENAI_REQUEST["top_logprobs"],
+    "tokenizer": Note("the model's own tokenizer counts tokens"),
+    "should_use_structured_outputs": Note(
+        "structured_predict always decodes under the schema's constraint"
+    ),
+    "strict": Note("constrained decoding always follows the schema exactly"),
+    "default_headers": Refuse(NO_HTTP_CLIENT, (None, {})),
+    "http_client": Refuse(NO_HTTP_CLIENT),
+    "async_http_client": Refuse(NO_HTTP_CLIENT),
+    "reasoning_effort": Refuse(NO_REASONING),
+    "modalities": Refuse("pagedllm models read and write text", (None, ["text"])),
+    "audio_config": Refuse("pagedllm models read and write text"),
 }

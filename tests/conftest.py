@@ -53,6 +53,21 @@ def default_llm():
     llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def small_default_engine():
+    """A wrapper holding the shared engine of the default model file with 160 MiB of KV
+    cache and max_model_len 2048, for a module's wrappers with those settings to share
+    (loaded once, not once per test)."""
+    from pagedllm_integrations.engine.model_loader import default_model_path
+    from pagedllm_integrations.langchain import ChatPagedLLM
+
+    engine = {"kv_cache_memory": 160 << 20, "max_model_len": 2048}
+    holder = ChatPagedLLM(model=str(default_model_path()), engine_kwargs=engine)
+    holder.engine  # noqa: B018 - loads it
+    yield holder
+    holder.close()
+
+
 @pytest.fixture(scope="session")
 def default_llm_f32():
     """The embedded default model on the float32 reference path: what parity with

@@ -140,8 +140,16 @@ def test_tool_calls_are_read_from_blocks_or_additional_kwargs() -> None:
 # ------------------------------------------------------------------------ the model
 def test_all_eight_methods_agree_with_the_engine_and_fire_callbacks(llm) -> None:
     prompt = "The three primary colours are"
+    # A chat model's complete() sends the prompt as a user turn of the chat template.
+    tokenizer = llm.engine.tokenizer
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
     reference = (
-        llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16))
+        llm.engine.add_request(
+            {"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=16)
+        )
         .result()
         .outputs[0]
     )
@@ -161,7 +169,7 @@ def test_all_eight_methods_agree_with_the_engine_and_fire_callbacks(llm) -> None
         texts += asyncio.run(run_async())
         assert texts == [reference.text] * 4
         usage = chunks[-1].raw["usage"]
-        assert usage["prompt_tokens"] == len(llm.engine.tokenizer(prompt).input_ids)
+        assert usage["prompt_tokens"] == len(prompt_ids)
         assert usage["completion_tokens"] == len(reference.token_ids)
 
         messages = [ChatMessage(role="user", content="Name one colour.")]
@@ -396,7 +404,8 @@ def test_stream_structured_predict_streams_partial_objects(llm) -> None:
 
 
 def test_instance_and_call_stop_strings_both_apply(llm) -> None:
-    stopping = llm.model_copy(update={"stop": ["\n"], "max_new_tokens": 32})
+    # is_chat_model=False: complete() sends the prompt as it is, as the reference does.
+    stopping = llm.model_copy(update={"stop": ["\n"], "max_new_tokens": 32, "is_chat_model": False})
     prompt = "Colours: red, green, blue, yellow"
     reference = (
         llm.engine.add_request(

@@ -25,6 +25,9 @@ DEFAULT = str(default_model_path())  # the embedded SmolLM2 GGUF, given as a mod
 KV = {"kv_cache_memory": 160 << 20}
 SMALL = {**KV, "max_model_len": 2048}
 
+# Calls with the SMALL settings share one engine, held for the module (conftest.py).
+pytestmark = pytest.mark.usefixtures("small_default_engine")
+
 
 # -------------------------------------------------------------------- ChatOllama
 def test_chat_ollama_as_documented():
@@ -246,3 +249,26 @@ def test_an_unknown_setting_is_refused_by_name(module, name):
     wrapper = getattr(importlib.import_module(f"pagedllm_integrations.{module}"), name)
     with pytest.raises(ValueError, match="no setting 'modle'"):
         wrapper(modle="x")
+
+
+# ------------------------------------------------------------ OllamaLLM (issue 44)
+def test_ollama_llm_as_documented():
+    from pagedllm_integrations.langchain import PagedLLM as OllamaLLM
+
+    model = OllamaLLM(model="llama3")  # langchain_ollama.OllamaLLM's docstring
+    with pytest.raises(ValueError, match="llama3"):
+        model.invoke("Come up with 10 names for a song about parrots")
+    model = OllamaLLM(model=DEFAULT, num_predict=20, num_ctx=2048, repeat_penalty=1.1,
+                      temperature=0, engine_kwargs=KV)  # fmt: skip
+    try:
+        assert model.max_new_tokens == 20 and model.vllm_kwargs["repetition_penalty"] == 1.1
+        result = model.generate(["Come up with 10 names for a song about parrots"])
+        assert model.engine.max_model_len == 2048  # num_ctx
+        assert 0 < result.llm_output["token_usage"]["completion_tokens"] <= 20
+    finally:
+        model.close()
+    assert OllamaLLM(model=DEFAULT, num_thread=1)._config.num_threads == 1
+    with pytest.raises(ValueError, match="num_ctx=10000 exceeds"):
+        OllamaLLM(model=DEFAULT, num_ctx=10000, validate_model_on_init=True)
+    with pytest.raises(ValueError, match="mirostat"):
+        OllamaLLM(model=DEFAULT, mirostat=2)

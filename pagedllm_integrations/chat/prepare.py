@@ -180,16 +180,3 @@ def check_message_text(messages: list[dict]) -> None:
             check_text(content_text(message.get("content")), f"message {position}")
         except ValueError as error:
             raise ChatRequestError(str(error), "messages") from None
-
-
-def count_chat_tokens(client: EngineClient, messages: list[dict], tools: list | None = None) -> int:
-    """Tokens the conversation takes as a prompt (template, tools and generation prompt)."""
-    plan = plan_tools(tools, tool_format=client.tool_format)
-    guard = ContentGuard(client.tokenizer)
-    text = render_chat(
-        client,
-        guard.mark_messages(messages),
-        guard.mark_value(plan.tools) if plan.tools else plan.tools,
-        plan.tool_choice,
-    )
-    return len(prompt_token_ids(client, text, guard))

@@ -22,15 +22,15 @@ from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from .chat import create_chat_completion
 from .completions import create_completion
 from .connections import ConnectionLimits
+from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
 from .errors import APIError, GuardedRoute, install_error_handlers
-from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from .guard import GuardMiddleware
 from .metrics import PrometheusStatLogger
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import ServerLimits, ServerState
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUE_LEN = 512
 _STATS_TIMEOUT_S = 5.0
 
 
@@ -114,9 +114,8 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(state, body, request)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        card = {
+    def model_card() -> dict:
+        return {
             "id": model_name,
             "object": "model",
             "created": state.created,
@@ -125,7 +124,16 @@ def create_app(
             "parent": None,
             "max_model_len": engine.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        # As OpenAI's: the model object, or 404 with code model_not_found.
+        state.check_model(model_id)
+        return JSONResponse(model_card())
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -14,14 +14,14 @@ from ..cli_generate import add_engine_arguments, engine_kwargs
 from ..engine.client import DEFAULT_STALL_SECONDS
 from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from .api_key import API_KEY_ENV, resolve_api_key
-from .app import DEFAULT_MAX_QUEUE_LEN
 from .defaults import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
-from .guard import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 

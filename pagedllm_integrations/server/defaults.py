@@ -1,9 +1,11 @@
-"""Default connection timeouts and the shutdown grace period of `pagedllm serve`.
+"""Defaults of the server's limits, timeouts and shutdown grace period, in a module that
+imports nothing of the server extra (FastAPI, Starlette), so that `pagedllm serve --help`
+shows them where the extra is not installed."""
 
-Plain numbers in a module that imports nothing, so the command line can show them without
-importing the web server.
-"""
+from __future__ import annotations
 
+DEFAULT_MAX_QUEUE_LEN = 512  # sequences running + waiting before new requests get 503
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # request bodies larger than this get 413
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request head must arrive within this
 DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body must arrive within this
 DEFAULT_KEEP_ALIVE_S = 5.0  # an idle connection between requests is closed after this

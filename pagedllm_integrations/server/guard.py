@@ -22,8 +22,6 @@ from .errors import error_body
 
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
-DEFAULT_MAX_BODY_BYTES = 4 * MiB
 _OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers' probes)
 _CLOSE = (b"connection", b"close")
 _LINGER_S = 5.0  # how long a refused body is read (and dropped) before the connection closes

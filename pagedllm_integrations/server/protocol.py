@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..chat.errors import ChatRequestError
+from ..engine.chat_messages import not_text_message
 
 # Bounds that keep one request from exhausting the server (vLLM has none; OpenAI's are lower).
 MAX_N = 128
@@ -134,11 +137,25 @@ class TextPart(_Body):
     text: str
 
 
+class OtherPart(_Body):
+    """A content part that is not text (image_url, input_audio, file): accepted by the
+    schema so that the error can say what is wrong with it (ChatMessage.text)."""
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _not_text(cls, value: str) -> str:
+        if value == "text":
+            raise ValueError("a text part needs its 'text'")
+        return value
+
+
 class ChatMessage(_Request):
     # Undeclared fields are kept to be refused by name (peer_fields.check_message_fields).
     # "function": a legacy function result (OpenAI's `functions` API), read as a tool result.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
@@ -146,7 +163,10 @@ class ChatMessage(_Request):
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            for part in self.content:
+                if isinstance(part, OtherPart):
+                    raise ChatRequestError(not_text_message(part.type), "messages")
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content
 
 
