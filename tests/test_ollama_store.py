@@ -115,11 +115,15 @@ def test_a_tag_loads_the_blob_with_its_parameters_end_to_end(ollama_env, default
     )[0].outputs[0]
     assert reply.content == expected.text
     assert reply.usage_metadata["output_tokens"] == len(expected.token_ids)
-    replaced = default_llm.chat(
-        [{"role": "user", "content": question}],
-        SamplingParams(temperature=0, stop=["France"], max_tokens=40),
-        use_tqdm=False,
-    )[0].outputs[0].text
+    replaced = (
+        default_llm.chat(
+            [{"role": "user", "content": question}],
+            SamplingParams(temperature=0, stop=["France"], max_tokens=40),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .text
+    )
     assert own_stop.content == replaced != expected.text
 
 
