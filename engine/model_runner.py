@@ -99,8 +99,6 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
 
 
-
-
 def _zeros_on_huge_pages(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
