@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,8 @@ def _extras_wanted() -> bool:
     if setting == "0":
         return False
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        missing.append("an x86-64 machine (the levels are x86's)")
     if missing and setting == "1":
         raise SystemExit(
             f"PAGEDLLM_WHEEL_EXTRAS=1 needs {missing} in the build environment: build with "
@@ -65,7 +68,7 @@ def _extras_wanted() -> bool:
         )
     if missing:
         print(
-            f"pagedllm: {missing} not importable while building, so this wheel carries no "
+            f"pagedllm: building without {missing}, so this wheel carries no "
             "prebuilt kernels and no default model (build with `make wheel` for those)",
             file=sys.stderr,
         )
@@ -99,10 +102,10 @@ class WheelWithKernels(bdist_wheel):
         super().finalize_options()
 
     def get_tag(self) -> tuple[str, str, str]:
-        python, abi, platform = super().get_tag()
+        python, abi, plat = super().get_tag()
         if not self.root_is_pure:  # the libraries are loaded by torch, not imported by Python
-            return "py3", "none", platform
-        return python, abi, platform
+            return "py3", "none", plat
+        return python, abi, plat
 
 
 setup(

