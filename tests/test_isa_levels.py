@@ -117,8 +117,11 @@ LOADER = textwrap.dedent(
     from pathlib import Path
     from pagedllm_integrations.kernels import cpu_ext, isa_levels
     isa_levels.PREBUILT = Path(sys.argv[1])
-    if len(sys.argv) > 2:
+    if sys.argv[2:] == ["small-compile"]:
         cpu_ext._SOURCES = ("thread_pool.cpp",)  # a compile small enough for a test
+    elif sys.argv[2:] == ["skylake-sp"]:  # AVX-512 without VNNI: no level fits fully
+        isa_levels.cpu_flags = lambda: {f for f in isa_levels.LEVELS[1].cpu_flags
+                                        if f not in ("avx512_vnni", "avx512_bf16")}
     print(cpu_ext.load(), cpu_ext.loaded_from())
     """
 )
@@ -166,3 +169,17 @@ def test_another_torch_compiles_for_this_cpu_and_says_so(prebuilt, tmp_path):
     line = done.stderr.splitlines()[0]
     assert "compiling pagedllm's C++ CPU kernels for this CPU once" in line
     assert "built for torch" in line and "about 30 s to 2 min" in line
+
+
+def test_without_a_compiler_a_partly_fitting_level_serves(prebuilt, tmp_path, monkeypatch):
+    """An AVX-512 CPU without VNNI (Skylake-SP) compiles for itself; where that fails (no C++
+    compiler), the AVX2 level serves instead of the torch path, and says so."""
+    skylake = isa_levels.LEVELS[1].cpu_flags - {"avx512_vnni", "avx512_bf16"}
+    if not skylake <= isa_levels.cpu_flags():
+        pytest.skip("this CPU cannot stand in for an AVX-512 CPU")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    done = run_loader(prebuilt, tmp_path / "cache", "skylake-sp")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "prebuilt", "avx2"]
+    assert "leave out instruction sets this CPU has" in done.stderr  # why it tried to compile
+    assert "compiling the C++ CPU kernels failed" in done.stderr
