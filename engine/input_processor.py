@@ -63,6 +63,12 @@ class InputProcessor:
             raise ValueError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
+        default_stop = self.info.generation_defaults.get("stop")
+        if default_stop and not params.stop:
+            # The model's own stop strings (an Ollama Modelfile's PARAMETER stop). Front ends
+            # hand a request's stops over as given, so the default is applied here, where
+            # every request passes; a request with stops of its own replaces it, as in Ollama.
+            params = params.clone(stop=list(default_stop))
         max_model_len, vocab_size = self.info.max_model_len, self.info.vocab_size
         text, token_ids = self._tokenize(prompt)
         if not token_ids:

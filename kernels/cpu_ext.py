@@ -1,73 +1,62 @@
-"""Build (once) and load the C++ CPU kernels of kernels/csrc/ (linear_packed.cpp,
-linear.cpp, linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp, thread_pool.cpp,
-amx.cpp; common.h, kernels.h, linear.h, decoder.h, thread_pool.h, amx.h).
+"""Load the C++ CPU kernels of kernels/csrc/ (linear_packed.cpp, linear.cpp,
+linear_bf16.cpp, attention.cpp, ops.cpp, decoder.cpp, thread_pool.cpp, amx.cpp; common.h,
+kernels.h, linear.h, decoder.h, thread_pool.h, amx.h): prebuilt from the wheel, else
+compiled once for this CPU.
 
-The source ships inside the package and is compiled on first use with the machine's C++
-compiler (`-O3 -march=native`), through torch.utils.cpp_extension and ninja, into the
-pagedllm cache (`$PAGEDLLM_CACHE_DIR/ext/...`, keyed by the source, torch's version and
-the CPU's instruction sets). `make install` builds it, so tests and the demo find it ready;
-a later process loads the cached library in milliseconds.
+Where they come from, in order:
+1. The wheel's prebuilt library of the instruction-set level that fits this CPU fully
+   (isa_levels.py: AVX2; AVX-512 with VNNI and BF16; AMX), when it was built against the
+   installed torch release and these sources. Nothing is compiled; loading takes
+   milliseconds.
+2. A library compiled for this CPU (`-O3 -march=native`), through torch.utils.cpp_extension
+   and ninja, into the pagedllm cache (`$PAGEDLLM_CACHE_DIR/ext/...`, keyed by the source,
+   torch's version and the CPU's instruction sets): found there, or compiled now (a source
+   install, another torch, a CPU between the levels such as AVX-512 without VNNI). `make
+   install` compiles it, so tests and the demo find it ready. A compile says so in one
+   line (a logging WARNING, which Python prints on stderr when no logging is set up).
+3. When compiling is impossible (no compiler, no ninja), a prebuilt level that runs here
+   without fitting fully (slower code paths, the same results).
 
-When it cannot be built (no compiler, no ninja, an unusual platform), `load()` returns
-False, says why once in the log, and the engine keeps the torch reference path: slower,
-same results.
+When none of these works, `load()` returns False, says why once in the log, and the engine
+keeps the torch reference path: slower, same results.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
-import platform
-import shutil
-import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 
+from . import isa_levels
+
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (
-    "ops.cpp",
-    "linear_bf16.cpp",
-    "linear_packed.cpp",
-    "linear.cpp",
-    "attention.cpp",
-    "decoder.cpp",
-    "thread_pool.cpp",
-    "amx.cpp",
-)
+_CSRC = isa_levels.CSRC
+_SOURCES = isa_levels.SOURCES
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "loaded": bool, "error": str
+_state: dict[str, object] = {}  # "loaded": bool, "error": str, "origin": str
 
 
 def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return isa_levels.cpu_flags_line()
 
 
 def build_dir() -> Path:
-    """Where the compiled library of this source, torch and CPU lives."""
-    from ..engine.model_loader import cache_dir
-
+    """Where the library compiled for this source, torch and CPU lives."""
     digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     key = digest.hexdigest()[:16]
-    return cache_dir() / "ext" / f"cpu_ops-{key}"
+    return isa_levels.cache_dir() / "ext" / f"cpu_ops-{key}"
 
 
 def load() -> bool:
-    """Build or load the kernels; True when `torch.ops.pagedllm` holds them."""
+    """Load (or build) the kernels; True when `torch.ops.pagedllm` holds them."""
     with _lock:
         if "loaded" in _state:
             return bool(_state["loaded"])
@@ -75,7 +64,7 @@ def load() -> bool:
             _state.update(loaded=False, error="PAGEDLLM_DISABLE_CPU_KERNELS is set")
             return False
         try:
-            _build_and_load()
+            _state["origin"] = _load_best()
             _state["loaded"] = True
         except Exception as error:  # any failure: the torch path serves instead
             _state.update(loaded=False, error=f"{type(error).__name__}: {error}")
@@ -96,44 +85,73 @@ def load_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-def _build_and_load() -> None:
-    folder = build_dir()
-    library = folder / "pagedllm_cpu_ops.so"
-    if not library.exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        # One builder at a time per machine. flock is released by the kernel when its holder
-        # dies, so a build interrupted by Ctrl-C or a killed test never blocks the next one
-        # (torch's own build lock is a plain file that a dead builder leaves behind forever;
-        # here it lives in a private folder that is thrown away).
-        with open(folder.parent / f"{folder.name}.lock", "w") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-            if not library.exists():  # another process may have built it while we waited
-                _build_into(folder)  # which also loads it into this process
-                return
-    torch.ops.load_library(str(library))
+def loaded_from() -> str | None:
+    """Which library load() put in this process: 'prebuilt <level>' or 'compiled <path>'."""
+    return _state.get("origin")  # type: ignore[return-value]
 
 
-def _build_into(folder: Path) -> None:
-    """Compile into a fresh temporary folder, then rename it to `folder` in one step: a
-    folder named by the key always holds a complete library."""
-    from torch.utils import cpp_extension
+def prebuilt_choice(
+    manifest: dict | None, flags: set[str]
+) -> tuple[isa_levels.IsaLevel | None, bool, str]:
+    """(the wheel's level to load, whether it fits this CPU fully, why when there is none)."""
+    if manifest is None:
+        return None, False, "no prebuilt kernels (a source install)"
+    if manifest.get("sources") != isa_levels.sources_digest(_CSRC):
+        return None, False, "the prebuilt kernels were built from other sources"
+    abi = isa_levels.torch_abi()
+    built_for = {key: manifest.get(key) for key in abi}
+    if built_for != abi:
+        return None, False, f"the prebuilt kernels were built for torch {built_for}, not {abi}"
+    level, full = isa_levels.best_level(flags)
+    if level is None or level.name not in manifest.get("levels", {}):
+        return None, False, "no prebuilt level runs on this CPU"
+    return level, full, ""
 
-    logger.info("building the C++ CPU kernels once into %s (about a minute)", folder)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
+
+def _load_best() -> str:
+    flags = isa_levels.cpu_flags()
+    level, full, why_not = prebuilt_choice(isa_levels.read_manifest(), flags)
+    if level is not None and full:
+        try:
+            return _load_prebuilt(level)
+        except (OSError, RuntimeError) as error:  # e.g. an older libstdc++ than the build's
+            why_not = f"the prebuilt {level.name} kernels did not load ({error})"
+    elif level is not None:
+        why_not = f"the prebuilt {level.name} kernels leave out instruction sets this CPU has"
     try:
-        flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
-        cpp_extension.load(
-            name="pagedllm_cpu_ops",
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(scratch),
-            is_python_module=False,
-            verbose=False,
+        return _load_native(why_not)
+    except Exception as error:
+        if level is None:
+            raise
+        logger.warning(
+            "compiling the C++ CPU kernels failed (%s); using the prebuilt %s kernels",
+            error,
+            level.name,
         )
-        if folder.exists():  # a partial folder, left by a build that was interrupted
-            shutil.rmtree(folder)
-        scratch.chmod(0o755)  # mkdtemp makes it private
-        scratch.rename(folder)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        return _load_prebuilt(level)
+
+
+def _load_prebuilt(level: isa_levels.IsaLevel) -> str:
+    torch.ops.load_library(str(isa_levels.PREBUILT / level.name / isa_levels.LIBRARY))
+    logger.info("loaded the prebuilt %s C++ CPU kernels", level.name)
+    return f"prebuilt {level.name}"
+
+
+def _load_native(why_not_prebuilt: str) -> str:
+    folder = build_dir()
+    if (folder / isa_levels.LIBRARY).exists():
+        torch.ops.load_library(str(folder / isa_levels.LIBRARY))
+        return f"compiled {folder}"
+    started = time.perf_counter()
+    # A WARNING: a first request that waits a minute must say why, also in an app that set
+    # up no logging (Python then prints warnings on stderr).
+    logger.warning(
+        "compiling pagedllm's C++ CPU kernels for this CPU once (%s; about 30 s to 2 min; "
+        "cached in %s)",
+        why_not_prebuilt,
+        folder,
+    )
+    if not isa_levels.ensure_built(folder, ("-march=native",), _SOURCES):
+        torch.ops.load_library(str(folder / isa_levels.LIBRARY))  # another process built it
+    logger.warning("compiled the C++ CPU kernels in %.0f s", time.perf_counter() - started)
+    return f"compiled {folder}"

@@ -56,6 +56,8 @@ def to_packed(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Packe
     if k % per_block:
         raise ValueError(f"{type_name} rows of {k} values are not whole blocks of {per_block}")
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n * (k // per_block), nbytes)
+    if type_name in ("Q4_0", "Q4_1"):
+        return _u4_as_stored(type_name, blocks, n, k)
     q, scale, mins, group = _DECODERS[type_name](blocks)
     # q: [num_blocks, per_block] integer values; scale/mins: [num_blocks, per_block // group]
     # values, or a K-quant's two levels (factor per block, integer multiplier per group)
@@ -83,6 +85,20 @@ def _values(decoded, n: int, k: int, group: int) -> tuple[torch.Tensor, KFactors
         torch.from_numpy(np.ascontiguousarray(factor.reshape(n, k // QK_K))),
     )
     return torch.from_numpy(np.ascontiguousarray(products.reshape(n, k // group))), factors
+
+
+def _u4_as_stored(type_name: str, blocks: np.ndarray, n: int, k: int) -> PackedWeight:
+    """Q4_0 / Q4_1: the 16 bytes of nibbles that end each block are already in the U4 order
+    (byte j = q[j] | q[j + 16] << 4), so they are copied, not unpacked and packed again
+    (which was most of a first load's time for the default model)."""
+    qweight = torch.from_numpy(np.ascontiguousarray(blocks[:, -16:]).reshape(n, k // 2))
+    d = _f16(blocks[:, 0:2])
+    mins = -8.0 * d if type_name == "Q4_0" else _f16(blocks[:, 2:4])
+    scale_t = torch.from_numpy(d.reshape(n, k // U4_GROUP))
+    mins_t = torch.from_numpy(
+        np.ascontiguousarray(mins, dtype=np.float32).reshape(n, k // U4_GROUP)
+    )
+    return PackedWeight("u4", qweight, scale_t, mins_t, U4_GROUP, (n, k))
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:

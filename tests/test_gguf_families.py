@@ -114,3 +114,26 @@ def test_gguf_tables_name_and_fix_tensors():
         gguf_arch.hf_name("mamba", "token_embd.weight")
     with pytest.raises(ValueError, match="not known"):
         gguf_arch.hf_name("qwen3", "blk.0.ssm_conv1d.weight")
+
+
+def test_a_conversion_says_what_it_does_where_no_logging_is_set_up(tmp_path):
+    """Converting a GGUF takes tens of seconds for a real model: a WARNING line says so,
+    which Python prints on stderr when the application set up no logging (issue 44)."""
+    import os
+    import subprocess
+    import sys
+
+    folder = make_family_checkpoint(tmp_path / "qwen3", "qwen3")
+    gguf_file = write_gguf(folder, tmp_path / "qwen3.gguf")
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from pagedllm_integrations.engine.gguf_loader import gguf_to_hf_folder\n"
+        "gguf_to_hf_folder(Path(sys.argv[1]))\n"
+    )
+    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "fresh")}
+    done = subprocess.run([sys.executable, "-P", "-c", code, str(gguf_file)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "qwen3.gguf" in line]
+    assert lines[0].startswith(f"converting {gguf_file} for pagedllm once")
+    assert "about 10-40 s" in lines[0] and "converted qwen3.gguf in" in lines[1]

@@ -34,7 +34,7 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_llama_dir):
 def test_missing_model_file_and_bad_names():
     with pytest.raises(ValueError, match="does not exist"):
         LLM("/nonexistent/model.gguf")
-    with pytest.raises(ValueError, match="not a file, a folder or a Hugging Face id"):
+    with pytest.raises(ValueError, match="not a file, a folder, an Ollama model"):
         LLM("not a model name!")
 
 
@@ -55,6 +55,40 @@ def test_hub_id_resolves_from_the_local_cache_offline(tmp_path, tiny_llama_dir):
     with LLM("acme/tiny-llama", download_dir=str(tmp_path), disable_log_stats=True) as llm:
         out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_hub_id_without_an_org_resolves_end_to_end(tmp_path, tiny_llama_dir, monkeypatch):
+    """`PagedLLM(model="gpt2")`, HuggingFacePipeline's own example: the hub's oldest
+    repositories have no org. A tiny Llama stands in for the weights (GPT-2's architecture
+    is not one pagedllm runs), in the layout huggingface_hub writes for such an id."""
+    from pagedllm_integrations.langchain import PagedLLM
+
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "no-ollama"))  # not in Ollama's store
+    repo = tmp_path / "models--tinyllama"
+    revision = "89abcdef0123456789abcdef0123456789abcdef"
+    shutil.copytree(tiny_llama_dir, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    assert resolve_model("tinyllama", download_dir=str(tmp_path)).folder == (
+        repo / "snapshots" / revision
+    )
+    llm = PagedLLM(model="tinyllama", download_dir=str(tmp_path), max_new_tokens=4,
+                   temperature=0)  # fmt: skip
+    try:
+        by_id = llm.invoke("Hello")
+    finally:
+        llm.close()
+    with LLM(str(tiny_llama_dir), disable_log_stats=True) as reference:
+        out = reference.generate("Hello", SamplingParams(temperature=0, max_tokens=4),
+                                 use_tqdm=False)  # fmt: skip
+    assert by_id == out[0].outputs[0].text
+
+
+def test_a_name_alone_that_is_nowhere_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    with pytest.raises(ValueError, match=r"'gpt2'.*Hugging Face cache.*nor has Ollama pulled it"):
+        resolve_model("gpt2", download_dir=str(tmp_path))
 
 
 def test_hub_id_neither_cached_nor_reachable_names_the_id(tmp_path, monkeypatch):

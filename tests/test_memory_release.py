@@ -112,9 +112,10 @@ def test_resident_memory_drops_back_after_close():
     grew = rss["loaded"] - rss["before"]
     left = rss["after"] - rss["before"]
     print({k: round(v / 2**20) for k, v in rss.items()}, "MiB")
-    # A 256 MiB KV cache (zeroed, so resident) and the weights (packed on the CPU fast path,
-    # ~100 MiB; float32 elsewhere, ~540 MiB): most of it must go back.
-    assert grew > 300 * 2**20, rss
+    # The weights (packed on the CPU fast path, ~100 MiB; float32 elsewhere, ~540 MiB) and
+    # the KV cache blocks the call used (the 256 MiB cache's pages come zeroed from the
+    # kernel on first touch, so only those are resident): most of it must go back.
+    assert grew > 150 * 2**20, rss
     assert left < 0.25 * grew, rss
 
 

@@ -1,9 +1,12 @@
-"""What a user gets from `pip install pagedllm`: every module in the wheel, a license, one
-version, metadata, and a clear line instead of a traceback when an extra is missing."""
+"""What a user gets from `pip install pagedllm`: every module in the wheel, the prebuilt C++
+kernels and the default model, a license, one version, metadata, and a clear line instead of
+a traceback when an extra is missing. (tests/test_first_use.py installs the wheel into a
+fresh virtual environment and runs it; slow.)"""
 
 from __future__ import annotations
 
 import email
+import json
 import re
 import shutil
 import subprocess
@@ -39,6 +42,46 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     assert done.returncode == 0, done.stdout + done.stderr
     (built,) = out.glob("pagedllm-*.whl")
     return zipfile.ZipFile(built)
+
+
+def test_the_wheel_carries_the_kernels_prebuilt_for_each_instruction_set(wheel):
+    """No compiler needed: one library per x86 level, and the torch release they are bound
+    to, in a platform wheel that serves every Python version (they are not extensions)."""
+    import torch
+
+    from pagedllm_integrations.kernels import isa_levels
+
+    names = set(wheel.namelist())
+    prebuilt = "pagedllm_integrations/kernels/prebuilt"
+    manifest = json.loads(wheel.read(f"{prebuilt}/manifest.json"))
+    assert manifest["torch"] == torch.__version__.split("+")[0]
+    assert manifest["sources"] == isa_levels.sources_digest()
+    assert sorted(manifest["levels"]) == ["amx", "avx2", "avx512"]
+    for level in isa_levels.LEVELS:
+        entry = manifest["levels"][level.name]
+        assert entry["cflags"] == list(level.cflags)
+        library = wheel.getinfo(f"{prebuilt}/{entry['library']}")
+        assert library.file_size > 100_000
+        assert wheel.read(library)[:4] == b"\x7fELF"
+    (wheel_meta,) = [n for n in names if n.endswith(".dist-info/WHEEL")]
+    meta = email.message_from_bytes(wheel.read(wheel_meta))
+    assert meta["Root-Is-Purelib"] == "false"
+    assert meta["Tag"].startswith("py3-none-") and "x86_64" in meta["Tag"]
+
+
+def test_the_wheel_carries_the_default_model_converted(wheel):
+    """`pip install pagedllm` alone: the GGUF file, and its config and tokenizer already
+    read from it, so the first LLM() converts nothing."""
+    from pagedllm_integrations.engine.model_loader import default_model_path
+
+    embedded = "pagedllm_integrations/engine/embedded_model"
+    gguf = wheel.getinfo(f"{embedded}/{default_model_path().name}")
+    assert gguf.file_size == default_model_path().stat().st_size
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert f"{embedded}/hf/{name}" in wheel.namelist()
+    assert "Apache-2.0" in wheel.read(f"{embedded}/SOURCE.txt").decode()  # where it came from
+    marker = json.loads(wheel.read(f"{embedded}/hf/gguf.json"))
+    assert marker == {"file": f"../{default_model_path().name}"}
 
 
 def test_the_wheel_holds_every_module_of_the_source_tree(wheel):
