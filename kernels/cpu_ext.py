@@ -46,9 +46,21 @@ def _cpu_flags() -> str:
     return isa_levels.cpu_flags_line()
 
 
+def debug_kernels() -> bool:
+    """PAGEDLLM_DEBUG_KERNELS=1: load a build that also checks every cache access in the
+    kernels' inner loops (-DPAGEDLLM_DEBUG_BOUNDS; compiled for this CPU, never prebuilt).
+    The ops' own checks of their indices are on in every build (common.h)."""
+    return os.environ.get("PAGEDLLM_DEBUG_KERNELS", "") not in ("", "0")
+
+
+def _native_flags() -> tuple[str, ...]:
+    return ("-march=native", "-DPAGEDLLM_DEBUG_BOUNDS") if debug_kernels() else ("-march=native",)
+
+
 def build_dir() -> Path:
-    """Where the library compiled for this source, torch and CPU lives."""
+    """Where the library compiled for this source, torch, CPU (and debug setting) lives."""
     digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
+    digest.update(" ".join(_native_flags()).encode())
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     key = digest.hexdigest()[:16]
@@ -110,6 +122,8 @@ def prebuilt_choice(
 
 def _load_best() -> str:
     flags = isa_levels.cpu_flags()
+    if debug_kernels():
+        return _load_native("PAGEDLLM_DEBUG_KERNELS is set")
     level, full, why_not = prebuilt_choice(isa_levels.read_manifest(), flags)
     if level is not None and full:
         try:
@@ -151,7 +165,7 @@ def _load_native(why_not_prebuilt: str) -> str:
         why_not_prebuilt,
         folder,
     )
-    if not isa_levels.ensure_built(folder, ("-march=native",), _SOURCES):
+    if not isa_levels.ensure_built(folder, _native_flags(), _SOURCES):
         torch.ops.load_library(str(folder / isa_levels.LIBRARY))  # another process built it
     logger.warning("compiled the C++ CPU kernels in %.0f s", time.perf_counter() - started)
     return f"compiled {folder}"

@@ -156,6 +156,7 @@ struct Geometry {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
   int64_t head_stride, block_stride;  // cache strides in elements (both caches)
   int64_t q_row_stride, out_row_stride;
+  int64_t num_blocks;  // blocks in the cache (the debug build's checks)
 };
 
 struct Item {
@@ -197,6 +198,8 @@ struct NextLines {
     const int64_t bs = geo.block_size;
     if (kChunk % bs != 0 || bs % 16 != 0) return;
     for (int64_t pos = start; pos < end; pos += bs) {
+      PAGEDLLM_DEBUG_CHECK(table[pos / bs] >= 0 && table[pos / bs] < geo.num_blocks,
+                           "attention: block ", table[pos / bs], " outside the cache");
       const int64_t base = static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
                            kv_head * geo.head_stride;
       region[regions++] = reinterpret_cast<const char*>(k_cache + base);
@@ -253,6 +256,8 @@ void load_chunk(const CacheT* k_cache, const CacheT* v_cache, const int32_t* tab
   while (pos < end) {
     const int64_t block = pos / bs, offset = pos % bs;
     const int64_t count = std::min(bs - offset, end - pos);  // positions of this block
+    PAGEDLLM_DEBUG_CHECK(table[block] >= 0 && table[block] < geo.num_blocks,
+                         "attention: block ", table[block], " outside the cache");
     const int64_t base = static_cast<int64_t>(table[block]) * geo.block_stride +
                          kv_head * geo.head_stride;
     const int64_t lane = pos - start;
@@ -362,6 +367,8 @@ inline void group_pointers(const CacheT* k_cache, const CacheT* v_cache, const i
     keys[g] = values[g] = nullptr;
     if (16 * g + 16 <= lo || 16 * g >= hi) continue;
     const int64_t pos = start + 16 * g;
+    PAGEDLLM_DEBUG_CHECK(table[pos / bs] >= 0 && table[pos / bs] < geo.num_blocks,
+                         "attention: block ", table[pos / bs], " outside the cache");
     const int64_t block = static_cast<int64_t>(table[pos / bs]) * geo.block_stride +
                           kv_head * geo.head_stride;
     keys[g] = k_cache + block + pos % bs;
@@ -1364,6 +1371,38 @@ void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tenso
   });
 }
 
+// Every index the step's metadata gives attention, checked before any is used: each
+// sequence's rows lie within q, its keys within its block table's columns, and every block
+// it reads within the cache. (A bad entry would otherwise read or write another request's
+// blocks, or outside the cache.)
+void check_attention_indices(const Tensor& seqs, const Tensor& cu, const Tensor& lens,
+                             const Tensor& tables, int64_t rows, int64_t num_blocks,
+                             int64_t block_size) {
+  const int64_t batch = lens.numel(), columns = tables.dim() == 2 ? tables.size(1) : -1;
+  TORCH_CHECK(cu.numel() == batch + 1 && tables.dim() == 2 && tables.size(0) >= batch,
+              "attention: ", batch, " sequences need ", batch + 1, " cu_seqlens_q and a block "
+              "table row each, got ", cu.numel(), " and ", tables.sizes());
+  const int64_t* seq_p = seqs.data_ptr<int64_t>();
+  const int32_t* cu_p = cu.data_ptr<int32_t>();
+  const int32_t* len_p = lens.data_ptr<int32_t>();
+  const int32_t* table_p = tables.data_ptr<int32_t>();
+  for (int64_t i = 0; i < seqs.numel(); ++i) {
+    const int64_t b = seq_p[i];
+    TORCH_CHECK(b >= 0 && b < batch, "attention: sequence ", b, " of ", batch);
+    const int64_t first = cu_p[b], last = cu_p[b + 1], keys = len_p[b];
+    TORCH_CHECK(0 <= first && first <= last && last <= rows, "attention: sequence ", b,
+                "'s rows ", first, "..", last, " are not within the ", rows, " rows of q");
+    TORCH_CHECK(last - first <= keys && keys <= columns * block_size, "attention: sequence ",
+                b, " has ", keys, " keys for ", last - first, " rows and ", columns,
+                " blocks of ", block_size, " in its table");
+    for (int64_t j = 0; j < (keys + block_size - 1) / block_size; ++j) {
+      const int32_t block = table_p[b * columns + j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "attention: sequence ", b, "'s block ", j,
+                  " is ", block, ", outside the cache's ", num_blocks, " blocks");
+    }
+  }
+}
+
 void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                            Tensor& out, const Tensor& seq_ids, const Tensor& cu_seqlens_q,
                            const Tensor& seq_lens, const Tensor& block_tables, double scale,
@@ -1372,6 +1411,8 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
               "q and out must be float32");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads must be contiguous");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out heads must be contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q ", q.sizes(), ", got ",
+              out.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
@@ -1393,11 +1434,13 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
                      k_cache.size(2) * k_cache.size(3),
                      k_cache.size(1) * k_cache.size(2) * k_cache.size(3),
                      q.stride(0),
-                     out.stride(0)};
+                     out.stride(0),
+                     k_cache.size(0)};
   const int32_t* cu_p = cu.data_ptr<int32_t>();
   const int32_t* len_p = lens.data_ptr<int32_t>();
   std::vector<Item> items;
   const int64_t* seq_p = seqs.data_ptr<int64_t>();
+  check_attention_indices(seqs, cu, lens, tables, q.size(0), k_cache.size(0), k_cache.size(3));
   // Items of few rows (read in place) take all KV heads of their sequence at once when
   // there are enough sequences to keep every thread busy: reading each block's heads in
   // one pass instead of one head at a time took decode attention over 64 sequences x 192

@@ -186,6 +186,18 @@ inline __m256 load8_float(const at::Half* p) {
 }
 #endif
 
+// Index checks at the ops' boundary. The engine computes every slot, position and block
+// table entry; a fault of its own there must stop the op with an error, not write outside
+// a cache. Each op checks its indices once per call, before its threads start (O(rows +
+// blocks used): microseconds against the step's milliseconds), so the checks stay on.
+// A build with -DPAGEDLLM_DEBUG_BOUNDS (PAGEDLLM_DEBUG_KERNELS=1, see cpu_ext.py) also
+// checks each cache access in the kernels' inner loops.
+#ifdef PAGEDLLM_DEBUG_BOUNDS
+#define PAGEDLLM_DEBUG_CHECK(cond, ...) TORCH_CHECK(cond, __VA_ARGS__)
+#else
+#define PAGEDLLM_DEBUG_CHECK(cond, ...) ((void)0)
+#endif
+
 inline void check_cpu_contiguous(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");

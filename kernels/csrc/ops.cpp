@@ -139,6 +139,12 @@ void rotary_neox_(Tensor& q, Tensor& k, const Tensor& positions, const Tensor& c
   Tensor pos = positions.to(at::kLong).contiguous();
   const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
   const int64_t half = cos.size(1);
+  TORCH_CHECK(pos.numel() == t && k.size(0) == t, "rotary: ", pos.numel(), " positions for ",
+              t, " rows of q and ", k.size(0), " of k");
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(pos.data_ptr<int64_t>()[i] >= 0 && pos.data_ptr<int64_t>()[i] < cos.size(0),
+                "rotary: position ", pos.data_ptr<int64_t>()[i], " of row ", i,
+                " is outside the tables' ", cos.size(0), " positions");
   const int64_t* pp = pos.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -199,7 +205,12 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
   const int64_t t = k.size(0), heads = k.size(1), d = k.size(2), bs = k_cache.size(3);
   TORCH_CHECK(k_cache.size(1) == heads && k_cache.size(2) == d && v_cache.size(2) == bs,
               "caches must be k [blocks, Hkv, D, block_size] and v [blocks, Hkv, block_size, D]");
+  TORCH_CHECK(slots.numel() == t, "slot_mapping has ", slots.numel(), " slots for ", t, " rows");
   const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * bs;  // slots in the cache; -1: a padding row
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(sp[i] >= -1 && sp[i] < capacity, "write_kv_cache_: slot ", sp[i], " of row ", i,
+                " is outside the cache's ", capacity, " slots");
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const int64_t ks = k.stride(0), vs = v.stride(0), head_stride = d * bs;
@@ -214,6 +225,7 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
     const int64_t line = 64 / static_cast<int64_t>(sizeof(scalar_t));  // elements per line
     // Where row i's key and value of KV head h start (row i is not padding).
     auto key_at = [&](int64_t i, int64_t h) {
+      PAGEDLLM_DEBUG_CHECK(sp[i] >= 0 && sp[i] < capacity, "write_kv_cache_: slot ", sp[i]);
       return kc + (sp[i] / bs * heads + h) * head_stride + sp[i] % bs;
     };
     auto value_at = [&](int64_t i, int64_t h) {
