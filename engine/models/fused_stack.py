@@ -7,10 +7,11 @@ so its outputs are the module path's bit for bit (tests/test_fused_stack.py chec
 
 The C++ side is a registered class, `torch.classes.pagedllm.DecoderStack`, built here once
 from the loaded modules: the model's shape and options, its rotary tables, and per layer its
-named norms and its four linears as C++ `Linear`s (kernels/csrc/linear.h). What it covers
-is `STACK_CAPABILITIES`; a model with anything else (an MoE block, an MLP that is not gated,
-a linear without a C++ form) keeps the module path, which stays the reference, and
-`build_fused_stack` says why.
+named norms and its four linears as C++ `Linear`s (kernels/csrc/linear.h). The features it
+runs are the CPU backend's stack capabilities (backend.py: CPU_STACK, every dense feature).
+A model needing another (MoE) keeps the module path, which stays the reference, and so does
+one whose layers hold something unexpected (a linear without a C++ form): CausalLM's
+`stack_status` says which.
 """
 
 from __future__ import annotations
@@ -22,26 +23,6 @@ import torch
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-
-# What the whole-step C++ stack runs, by the feature's name in the capability table
-# (engine/models/backend.py).
-STACK_CAPABILITIES = frozenset(
-    {
-        "gated_mlp",  # SwiGLU or GeGLU
-        "qk_norm",  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
-        "sandwich_norms",  # post-attention and pre/post-feedforward norms (Gemma 2/3)
-        "unit_offset_norm",  # (1 + w) norms (Gemma)
-        "logit_soft_cap",  # cap * tanh(score / cap) in attention (Gemma 2)
-        "sliding_window",  # per layer (Mistral, Gemma, Qwen2/3 with windows)
-        "per_layer_rotary",  # Gemma 3's local layers with their own rope base
-        "partial_rotary",  # rotary over a share of each head (Phi-4-mini)
-        "rope_scaling",  # linear, dynamic, llama3, longrope: all in the tables
-        "qkv_bias",  # Qwen2
-        "fused_checkpoint_linears",  # Phi-3's qkv_proj / gate_up_proj, split as they load
-        "mixed_format_linears",  # shards of one linear in different GGUF types (Q4_K_M)
-        "awq",  # AWQ linears, held in the packed u4 format
-    }
-)
 
 
 class FusedDecoderStack:
