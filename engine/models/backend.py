@@ -96,9 +96,8 @@ class Backend:
         return [f"{m} ({FEATURES[m]})" for m in sorted(features - self.stack)]
 
 
-# What the CPU fast path's C++ decoder stack runs (kernels/csrc/decoder.cpp): every dense
-# feature; MoE blocks run as modules, expert by expert.
-CPU_STACK = ALL_FEATURES - {"moe"}
+# What the CPU fast path's C++ decoder stack runs (kernels/csrc/decoder.cpp): everything.
+CPU_STACK = ALL_FEATURES
 
 
 def backend_for(fused_cpu: bool, attention: str, make_linear: LinearFactory) -> Backend:
