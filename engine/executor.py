@@ -29,6 +29,7 @@ from .compute_plan import ComputePlan
 from .config import EngineConfig
 from .model_loader import iter_weights
 from .model_runner import ModelRunner, profile_kv_blocks
+from .models.backend import backend_for
 from .models.config import ModelConfig
 from .models.layers import LinearFactory
 from .models.registry import build_model
@@ -147,8 +148,7 @@ def build_executor(
             config, str(folder), hf_config, model_config, dtype, device, max_model_len,
             make_linear,
         )  # fmt: skip
-    model = build_model(
-        model_config, dtype, device, max_model_len, make_linear, fused_cpu=plan.fused_cpu
-    )
+    backend = backend_for(plan.fused_cpu, plan.attention_backend, make_linear)
+    model = build_model(model_config, dtype, device, max_model_len, backend)
     model.load_weights(iter_weights(folder))
     return LocalExecutor(model.eval(), device, config, plan)

@@ -84,12 +84,12 @@ def test_dense_checkpoints_match_bit_for_bit(architecture, extra, tiny_llama_fac
         assert outputs(llm, False) == fused
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3", "phi3", "phi4_mini"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3", "phi3", "phi4_mini", "qwen3_moe"])
 def test_every_family_runs_the_stack_with_the_module_paths_bits(kind, tmp_path):
     """Qwen3's q/k norms, Gemma's sandwich (1 + w) norms, GeGLU, soft-caps, sliding layers
-    and Gemma 3's local rotary tables, Phi-3's fused checkpoint linears and Phi-4-mini's
-    partial longrope rotary: all in the stack, each token and log-probability the module
-    path's."""
+    and Gemma 3's local rotary tables, Phi-3's fused checkpoint linears, Phi-4-mini's
+    partial longrope rotary and Qwen3-MoE's experts (beside a dense layer): all in the
+    stack, each token and log-probability the module path's."""
     from family_checkpoints import make_family_checkpoint
 
     folder = make_family_checkpoint(tmp_path / kind, kind)
@@ -111,18 +111,23 @@ def test_every_family_runs_the_stack_with_the_module_paths_bits(kind, tmp_path):
         assert run(False) == fused
 
 
-def test_a_model_the_stack_cannot_run_says_why(tmp_path, caplog):
-    """Qwen3-MoE's expert blocks keep the module path, and the load line says so."""
+def test_a_model_the_stack_cannot_run_says_why(caplog, monkeypatch, tmp_path):
+    """A model needing what the backend's stack table lacks keeps the module path, and the
+    load line names the missing capability (here a table without MoE, as before the stack
+    ran experts)."""
     import logging
 
     from family_checkpoints import make_family_checkpoint
 
+    from pagedllm_integrations.engine.models import backend
+
+    monkeypatch.setattr(backend, "CPU_STACK", backend.ALL_FEATURES - {"moe"})
     folder = make_family_checkpoint(tmp_path / "moe", "qwen3_moe")
     with caplog.at_level(logging.INFO, logger="pagedllm_integrations.engine.llm_engine"):
         llm = LLM(str(folder), disable_log_stats=True, max_model_len=128)
     with llm:
         assert llm.engine.engine.model.fused_stack() is None
         status = llm.engine.engine.model.stack_status()
-        assert "the C++ stack does not run layer 0: a SparseMoE MLP" in status
+        assert "the C++ stack does not run moe (a mixture of experts MLP" in status
         assert status in caplog.text
         assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids

@@ -80,8 +80,7 @@ def check_mix(folder, tmp_path, preset: str, pure: bool = False) -> dict[str, st
         engine = fast.engine.engine
         assert engine.plan.fused_cpu
         model = engine.model
-        if "moe" not in type(model).__name__.lower():
-            assert model.fused_stack() is not None, model.stack_status()
+        assert model.fused_stack() is not None, model.stack_status()
         first = fast.generate(PROMPTS, FIRST, use_tqdm=False)
         batched = [o.outputs[0].token_ids for o in fast.generate(PROMPTS, GREEDY, use_tqdm=False)]
         alone = [fast.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]

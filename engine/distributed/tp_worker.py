@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..attention_metadata import AttentionMetadata
 from ..model_loader import iter_weights
+from ..models.backend import Backend
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
 from ..models.registry import build_model
@@ -73,7 +74,12 @@ def build_shard(spec: RankSpec, device: torch.device, base_factory=None) -> Caus
         spec.dtype,
         device,
         spec.max_model_len,
-        make_linear=tensor_parallel_factory(factory, spec.rank, spec.world),
+        Backend(
+            "tensor-parallel",
+            tensor_parallel_factory(factory, spec.rank, spec.world),
+            fused_kernels=False,
+            attention="per step",
+        ),
     )
     model.load_weights(iter_weights(Path(spec.folder)))
     return model.eval()

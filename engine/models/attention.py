@@ -30,7 +30,9 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         device: torch.device,
+        fused: bool = False,
     ):
+        """fused: the norms on the backend's C++ kernels (backend.fused_kernels)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -57,8 +59,8 @@ class Attention(nn.Module):
         self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
             offset = cfg.rms_norm_unit_offset
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, offset)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, offset)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, offset, fused)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, offset, fused)
         self.rotary = rotary
 
     def forward(

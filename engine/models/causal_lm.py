@@ -25,15 +25,13 @@ from torch import nn
 from ..attention_metadata import AttentionMetadata
 from ..gguf_loader import as_dense
 from .attention import Attention
+from .backend import Backend, model_features, torch_backend
 from .config import SLIDING, ModelConfig
 from .layers import (
     GatedMLP,
-    LinearFactory,
     LMHead,
     RMSNorm,
     VocabEmbedding,
-    dense_linear,
-    enable_fused_cpu_kernels,
     split_fused,
 )
 from .rotary import RotaryEmbedding
@@ -46,12 +44,15 @@ class DecoderLayer(nn.Module):
     add and the next norm are one step (one fused kernel on the CPU fast path).
     """
 
-    def __init__(self, attn: Attention, mlp: nn.Module, cfg: ModelConfig, dtype, device):
+    def __init__(
+        self, attn: Attention, mlp: nn.Module, cfg: ModelConfig, dtype, device, fused: bool
+    ):
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        size, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps, dtype, device, fused=fused)
+        self.post_attention_layernorm = RMSNorm(size, eps, dtype, device, fused=fused)
 
     def forward(
         self,
@@ -75,6 +76,8 @@ class CausalLM(nn.Module):
     # checkpoint linear name -> the names of the stacked shards it holds, e.g. Phi-3's
     # "qkv_proj" -> (q_proj, k_proj, v_proj); its tensors are split along the outputs.
     fused_linears: dict[str, tuple[str, ...]] = {}
+    # What the family needs beyond what its config says (backend.FEATURES).
+    family_features: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -82,16 +85,22 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
-        make_linear: LinearFactory = dense_linear,
-        fused_cpu: bool = False,
+        backend: Backend | None = None,
         embed_scale: float | None = None,
     ):
-        """fused_cpu: the CPU fast path (C++ kernels for norms, rotary, activation and the
-        embedding / head; linears come from `make_linear`, e.g. quant.packed_linear)."""
+        """backend: how the layers compute (backend.py), the torch reference by default: its
+        linear factory, and whether norms, rotary, activation and the embedding / head run
+        as the C++ kernels of the CPU fast path. It refuses a model needing a feature it
+        lacks (a ValueError naming it)."""
         super().__init__()
+        backend = backend or torch_backend()
+        self.features = model_features(cfg, self.family_features)
+        backend.check(self.features)
+        self.backend = backend
+        fused_cpu = self.fused_cpu = backend.fused_kernels
         self.config = cfg
         self.dtype = dtype
-        self._factory = make_linear
+        self._factory = backend.make_linear
         self._linears: dict[str, tuple[nn.Module, int]] = {}
         self.embed_tokens = VocabEmbedding(
             cfg.vocab_size, cfg.hidden_size, dtype, device, fused_cpu
@@ -106,7 +115,7 @@ class CausalLM(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(
-            cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.rms_norm_unit_offset
+            cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.rms_norm_unit_offset, fused_cpu
         )
         self.lm_head = LMHead(
             cfg.vocab_size,
@@ -118,12 +127,9 @@ class CausalLM(nn.Module):
         )
         for param in self.parameters():
             param.requires_grad_(False)
-        self.fused_cpu = fused_cpu
         # The decoder layers as one C++ call (fused_stack.py), built at the first forward
         # pass (once the weights are in): None = not yet, False = this model's layers differ.
         self._stack: Any = None
-        if fused_cpu:
-            enable_fused_cpu_kernels(self)
 
     # ------------------------------------------------------------ what families fill in
     def make_layer(
@@ -136,7 +142,10 @@ class CausalLM(nn.Module):
     ) -> nn.Module:
         """The default: a pre-norm block of attention and a gated MLP."""
         prefix = f"model.layers.{index}"
-        attn = Attention(cfg, index, f"{prefix}.self_attn", self.make_linear, rotary, dtype, device)
+        fused = self.fused_cpu
+        attn = Attention(
+            cfg, index, f"{prefix}.self_attn", self.make_linear, rotary, dtype, device, fused
+        )
         mlp = GatedMLP(
             cfg.hidden_size,
             cfg.intermediate_size,
@@ -146,8 +155,9 @@ class CausalLM(nn.Module):
             self.make_linear,
             dtype,
             device,
+            fused,
         )
-        return DecoderLayer(attn, mlp, cfg, dtype, device)
+        return DecoderLayer(attn, mlp, cfg, dtype, device, fused)
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name in the Llama layout, or None to skip it."""
@@ -193,15 +203,20 @@ class CausalLM(nn.Module):
     use_fused_stack = True  # False: run the layers module by module (the reference)
 
     def fused_stack(self) -> Any:
-        """The decoder layers as one C++ call, or None where the fast path is off or the
-        layers hold something the stack does not run (`stack_status` says what)."""
-        if not (self.fused_cpu and self.use_fused_stack):
+        """The decoder layers as one C++ call, or None where the backend has no stack, the
+        model needs a feature the stack lacks (its capability table), or the layers hold
+        something else it does not run (`stack_status` says what)."""
+        if not (self.backend.stack and self.use_fused_stack):
             return None
         if self._stack is None:
-            from .fused_stack import build_fused_stack
+            missing = self.backend.stack_missing(self.features)
+            if missing:
+                self._stack, self._stack_missing = False, ", ".join(missing)
+            else:
+                from .fused_stack import build_fused_stack
 
-            stack, self._stack_missing = build_fused_stack(self)
-            self._stack = stack or False
+                stack, self._stack_missing = build_fused_stack(self)
+                self._stack = stack or False
         return self._stack or None
 
     _stack_missing = ""
@@ -291,9 +306,11 @@ class CausalLM(nn.Module):
     ) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         positions = max(max_model_len, 1)
+        fused = self.fused_cpu
         rotary = RotaryEmbedding(
-            cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, dtype, device, rotary_dim
-        )
+            cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, dtype, device, rotary_dim,
+            fused,
+        )  # fmt: skip
         local = None
         if cfg.local_rope_theta is not None:
             local = RotaryEmbedding(
@@ -304,6 +321,7 @@ class CausalLM(nn.Module):
                 dtype,
                 device,
                 rotary_dim,
+                fused,
             )
         return rotary, local
 

@@ -7,10 +7,10 @@ so its outputs are the module path's bit for bit (tests/test_fused_stack.py chec
 
 The C++ side is a registered class, `torch.classes.pagedllm.DecoderStack`, built here once
 from the loaded modules: the model's shape and options, its rotary tables, and per layer its
-named norms and its four linears as C++ `Linear`s (kernels/csrc/linear.h). What it covers
-is `STACK_CAPABILITIES`; a model with anything else (an MoE block, an MLP that is not gated,
-a linear without a C++ form) keeps the module path, which stays the reference, and
-`build_fused_stack` says why.
+named norms and its four linears as C++ `Linear`s (kernels/csrc/linear.h). The features it
+runs are the CPU backend's stack capabilities (backend.py: CPU_STACK). A model needing
+another keeps the module path, which stays the reference, and so does one whose layers hold
+something unexpected (a linear without a C++ form): CausalLM's `stack_status` says which.
 """
 
 from __future__ import annotations
@@ -22,26 +22,6 @@ import torch
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-
-# What the whole-step C++ stack runs, by the feature's name in the capability table
-# (engine/models/backend.py).
-STACK_CAPABILITIES = frozenset(
-    {
-        "gated_mlp",  # SwiGLU or GeGLU
-        "qk_norm",  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
-        "sandwich_norms",  # post-attention and pre/post-feedforward norms (Gemma 2/3)
-        "unit_offset_norm",  # (1 + w) norms (Gemma)
-        "logit_soft_cap",  # cap * tanh(score / cap) in attention (Gemma 2)
-        "sliding_window",  # per layer (Mistral, Gemma, Qwen2/3 with windows)
-        "per_layer_rotary",  # Gemma 3's local layers with their own rope base
-        "partial_rotary",  # rotary over a share of each head (Phi-4-mini)
-        "rope_scaling",  # linear, dynamic, llama3, longrope: all in the tables
-        "qkv_bias",  # Qwen2
-        "fused_checkpoint_linears",  # Phi-3's qkv_proj / gate_up_proj, split as they load
-        "mixed_format_linears",  # shards of one linear in different GGUF types (Q4_K_M)
-        "awq",  # AWQ linears, held in the packed u4 format
-    }
-)
 
 
 class FusedDecoderStack:
@@ -106,8 +86,62 @@ def build_fused_stack(model: nn.Module) -> tuple[FusedDecoderStack | None, str]:
         if id(rotary) not in tables:
             cos, sin = rotary.half_tables()
             tables[id(rotary)] = stack.add_rotary(cos, sin)
-        stack.add_layer(norms, *linears, window, tables[id(rotary)])
+        qkv, o, mlp = linears
+        if isinstance(mlp, _Experts):
+            stack.add_moe_layer(
+                norms, qkv, o, mlp.router, mlp.top_k, mlp.norm_topk, window, tables[id(rotary)]
+            )
+            for gate_up, down in mlp.experts:
+                stack.add_expert(gate_up, down)
+        else:
+            stack.add_layer(norms, qkv, o, *mlp, window, tables[id(rotary)])
     return FusedDecoderStack(stack), ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Experts:
+    """An MoE layer's MLP as the stack takes it (decoder.cpp's MoeWeights)."""
+
+    router: torch.Tensor  # float32 [E, H]
+    experts: list[tuple[Any, Any]]  # per expert: its gate_up and down C++ Linears
+    top_k: int
+    norm_topk: bool
+
+
+def _mlp_parts(mlp: nn.Module) -> tuple[Any, bool] | str:
+    """((gate_up, down) or _Experts, gelu) of a gated MLP or an MoE block, or what the
+    stack cannot run in it."""
+    from .layers import GatedMLP
+    from .moe import SparseMoE
+
+    if type(mlp) is GatedMLP:
+        return _gated_parts(mlp)
+    if type(mlp) is not SparseMoE:
+        return f"a {type(mlp).__name__} MLP"
+    experts, gelus = [], set()
+    for expert in mlp.experts:
+        parts = _gated_parts(expert)
+        if isinstance(parts, str):
+            return f"an expert with {parts}"
+        experts.append(parts[0])
+        gelus.add(parts[1])
+    if len(gelus) != 1 or mlp.gate.weight.dtype != torch.float32:
+        return "experts of different activations, or a router that is not float32"
+    router = mlp.gate.weight.detach().contiguous()
+    return _Experts(router, experts, mlp.top_k, mlp.norm_topk_prob), gelus.pop()
+
+
+def _gated_parts(mlp: nn.Module) -> tuple[tuple[Any, Any], bool] | str:
+    if not mlp.fused:
+        return "an activation not on the C++ kernels"
+    kernels = [_kernel(lin) for lin in (mlp.gate_up_proj, mlp.down_proj)]
+    if any(k is None for k in kernels):
+        return "a linear without a C++ form"
+    return (kernels[0], kernels[1]), bool(mlp.gelu)
+
+
+def _kernel(linear: nn.Module) -> Any:
+    return getattr(linear, "kernel_linear", lambda: None)()
 
 
 def _layer_parts(layer: nn.Module) -> Any:
@@ -116,15 +150,17 @@ def _layer_parts(layer: nn.Module) -> Any:
     from .attention import Attention
     from .causal_lm import DecoderLayer
     from .gemma import GemmaDecoderLayer
-    from .layers import GatedMLP, RMSNorm
+    from .layers import RMSNorm
 
     if type(layer) not in (DecoderLayer, GemmaDecoderLayer):
         return f"a {type(layer).__name__} block"
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     if type(attn) is not Attention:
         return f"a {type(attn).__name__} attention"
-    if type(mlp) is not GatedMLP:
-        return f"a {type(mlp).__name__} MLP (the stack runs gated MLPs, not MoE blocks)"
+    mlp_parts = _mlp_parts(layer.mlp)
+    if isinstance(mlp_parts, str):
+        return mlp_parts
+    mlp, gelu = mlp_parts
     names = ["input_layernorm", "post_attention_layernorm"]
     if isinstance(layer, GemmaDecoderLayer):
         names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -135,13 +171,11 @@ def _layer_parts(layer: nn.Module) -> Any:
     if len(eps) != 1 or not all(type(m) is RMSNorm and m.fused for m in modules.values()):
         return "norms that are not fused RMSNorms of one eps"
     norms = {_NORM_NAMES.get(name, name): _norm_scale(m) for name, m in modules.items()}
-    linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    kernels = [getattr(linear, "kernel_linear", lambda: None)() for linear in linears]
-    if any(kernel is None for kernel in kernels):
-        missing = next(lin for lin, k in zip(linears, kernels) if k is None)
-        return f"a {type(missing).__name__} linear without a C++ form"
-    if not (mlp.fused and attn.rotary.fused):
-        return "an activation or rotary not on the C++ kernels"
+    qkv, o = _kernel(attn.qkv_proj), _kernel(attn.o_proj)
+    if qkv is None or o is None:
+        return "an attention linear without a C++ form"
+    if not attn.rotary.fused:
+        return "a rotary embedding not on the C++ kernels"
     shape = StackShape(
         attn.num_heads,
         attn.num_kv_heads,
@@ -149,9 +183,9 @@ def _layer_parts(layer: nn.Module) -> Any:
         float(attn.scale),
         float(eps.pop()),
         float(attn.logits_soft_cap or 0.0),
-        bool(mlp.gelu),
+        gelu,
     )
-    return shape, norms, kernels, int(attn.sliding_window or 0), attn.rotary
+    return shape, norms, [qkv, o, mlp], int(attn.sliding_window or 0), attn.rotary
 
 
 # Module attribute -> the stack's norm name (decoder.cpp's add_layer).

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from .attention import Attention
+from .backend import Backend
 from .causal_lm import CausalLM
 from .config import FULL, SLIDING, ModelConfig, common_fields, rope_settings
-from .layers import GatedMLP, LinearFactory, RMSNorm, dense_linear
+from .layers import GatedMLP, RMSNorm
 from .rotary import RotaryEmbedding
 
 # transformers' Gemma2Config / Gemma3TextConfig defaults, for fields a config.json leaves out.
@@ -132,15 +133,20 @@ def _optional_float(value: Any) -> float | None:
 class GemmaDecoderLayer(nn.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, attn: Attention, mlp: GatedMLP, cfg: ModelConfig, dtype, device):
+    def __init__(
+        self, attn: Attention, mlp: GatedMLP, cfg: ModelConfig, dtype, device, fused: bool
+    ):
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
-        size, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(size, eps, dtype, device, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(size, eps, dtype, device, unit_offset=True)
-        self.pre_feedforward_layernorm = RMSNorm(size, eps, dtype, device, unit_offset=True)
-        self.post_feedforward_layernorm = RMSNorm(size, eps, dtype, device, unit_offset=True)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, True, fused)
+
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
 
     def forward(self, positions, x, kv_cache, meta, residual):
         """(x, residual) -> (this layer's normed MLP output, the residual stream before it):
@@ -155,18 +161,17 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class _Gemma(CausalLM):
+    family_features = frozenset({"sandwich_norms"})
+
     def __init__(
         self,
         cfg: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
-        make_linear: LinearFactory = dense_linear,
-        fused_cpu: bool = False,
+        backend: Backend | None = None,
     ):
-        super().__init__(
-            cfg, dtype, device, max_model_len, make_linear, fused_cpu, cfg.hidden_size**0.5
-        )
+        super().__init__(cfg, dtype, device, max_model_len, backend, cfg.hidden_size**0.5)
 
     def make_layer(
         self,
@@ -177,7 +182,10 @@ class _Gemma(CausalLM):
         device: torch.device,
     ) -> nn.Module:
         prefix = f"model.layers.{index}"
-        attn = Attention(cfg, index, f"{prefix}.self_attn", self.make_linear, rotary, dtype, device)
+        fused = self.fused_cpu
+        attn = Attention(
+            cfg, index, f"{prefix}.self_attn", self.make_linear, rotary, dtype, device, fused
+        )
         mlp = GatedMLP(
             cfg.hidden_size,
             cfg.intermediate_size,
@@ -187,8 +195,9 @@ class _Gemma(CausalLM):
             self.make_linear,
             dtype,
             device,
+            fused,
         )
-        return GemmaDecoderLayer(attn, mlp, cfg, dtype, device)
+        return GemmaDecoderLayer(attn, mlp, cfg, dtype, device, fused)
 
 
 class Gemma2ForCausalLM(_Gemma):

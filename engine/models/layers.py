@@ -34,9 +34,8 @@ class RMSNorm(nn.Module):
     unit_offset=False (Llama, Qwen, Phi): normalize in float32, cast, multiply by w.
     unit_offset=True (Gemma): the checkpoint stores w - 1; multiply by (1 + w) in float32,
     then cast (the order matters for bf16: it is how transformers computes each family).
+    `fused`: the backend's C++ kernel (backend.fused_kernels), fixed at construction.
     """
-
-    fused = False  # set per instance by enable_fused_cpu_kernels
 
     def __init__(
         self,
@@ -45,8 +44,10 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         unit_offset: bool = False,
+        fused: bool = False,
     ):
         super().__init__()
+        self.fused = fused
         initial = torch.zeros if unit_offset else torch.ones
         self.weight = nn.Parameter(initial(hidden_size, dtype=dtype, device=device))
         self.eps = eps
@@ -200,8 +201,6 @@ class GatedMLP(nn.Module):
     With `fused` (the CPU fast path) the activation is one C++ kernel over [gate | up].
     """
 
-    fused = False  # set per instance by enable_fused_cpu_kernels
-
     def __init__(
         self,
         hidden_size: int,
@@ -212,8 +211,10 @@ class GatedMLP(nn.Module):
         make_linear: LinearFactory,
         dtype: torch.dtype,
         device: torch.device,
+        fused: bool = False,
     ):
         super().__init__()
+        self.fused = fused
         if act not in _ACTIVATIONS:
             raise ValueError(f"MLP activation {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
         self.intermediate = intermediate_size
@@ -335,11 +336,3 @@ class LMHead(nn.Module):
         rows, vocab = hidden.shape[0], int(weight.shape[0])
         logits = torch.ops.pagedllm.step_workspace(rows * vocab).view(rows, vocab)
         return packed_matmul(hidden.float(), weight, out=logits)
-
-
-def enable_fused_cpu_kernels(model: nn.Module) -> None:
-    """Switch a model's norms, rotary embeddings (whole heads or a share of each) and gated
-    activations to the C++ kernels (the CPU fast path)."""
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding | RMSNorm | GatedMLP):
-            module.fused = True

@@ -34,6 +34,7 @@ class SparseMoE(nn.Module):
         make_linear: LinearFactory,
         dtype: torch.dtype,
         device: torch.device,
+        fused: bool = False,
     ):
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -51,6 +52,7 @@ class SparseMoE(nn.Module):
                 make_linear,
                 dtype,
                 device,
+                fused,
             )
             for e in range(num_experts)
         )

@@ -53,6 +53,7 @@ def parse_phi3_config(cfg: dict[str, Any]) -> ModelConfig:
 
 
 class Phi3ForCausalLM(CausalLM):
+    family_features = frozenset({"fused_checkpoint_linears"})
     fused_linears = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),

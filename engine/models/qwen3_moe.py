@@ -68,7 +68,10 @@ class Qwen3MoeForCausalLM(CausalLM):
         device: torch.device,
     ) -> nn.Module:
         prefix = f"model.layers.{index}"
-        attn = Attention(cfg, index, f"{prefix}.self_attn", self.make_linear, rotary, dtype, device)
+        fused = self.fused_cpu
+        attn = Attention(
+            cfg, index, f"{prefix}.self_attn", self.make_linear, rotary, dtype, device, fused
+        )
         mlp: nn.Module
         if cfg.layer_is_sparse(index):
             mlp = SparseMoE(
@@ -82,6 +85,7 @@ class Qwen3MoeForCausalLM(CausalLM):
                 self.make_linear,
                 dtype,
                 device,
+                fused,
             )
         else:
             mlp = GatedMLP(
@@ -93,5 +97,6 @@ class Qwen3MoeForCausalLM(CausalLM):
                 self.make_linear,
                 dtype,
                 device,
+                fused,
             )
-        return DecoderLayer(attn, mlp, cfg, dtype, device)
+        return DecoderLayer(attn, mlp, cfg, dtype, device, fused)

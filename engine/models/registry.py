@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .backend import Backend
 from .causal_lm import CausalLM
 from .config import ModelConfig, hf_architecture
 from .gemma import (
@@ -23,7 +24,6 @@ from .gemma import (
     parse_gemma2_config,
     parse_gemma3_config,
 )
-from .layers import LinearFactory, dense_linear
 from .llama import LLAMA_ARCHITECTURES, LlamaForCausalLM, parse_llama_config
 from .phi3 import Phi3ForCausalLM, parse_phi3_config
 from .qwen3 import Qwen3ForCausalLM, parse_qwen3_config
@@ -74,12 +74,9 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
-    make_linear: LinearFactory = dense_linear,
-    fused_cpu: bool = False,
+    backend: Backend | None = None,
 ) -> CausalLM:
-    """An unloaded model of cfg's family (weights come through `load_weights`);
-    fused_cpu: the CPU fast path's C++ kernels (see compute_plan.py)."""
+    """An unloaded model of cfg's family (weights come through `load_weights`), computing
+    on `backend` (backend.py; the torch reference with dense linears by default)."""
     model_class = _family(cfg.architecture).model_class
-    return model_class(
-        cfg, dtype, device, max_model_len, make_linear=make_linear, fused_cpu=fused_cpu
-    )
+    return model_class(cfg, dtype, device, max_model_len, backend=backend)

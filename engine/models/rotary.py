@@ -112,8 +112,10 @@ class RotaryEmbedding(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         rotary_dim: int | None = None,
+        fused: bool = False,
     ):
         super().__init__()
+        self.fused = fused  # the C++ kernel (backend.fused_kernels), fixed at construction
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         inv_freq = rope_inv_freq(self.rotary_dim, rope_theta, scaling, max_positions)
@@ -130,8 +132,6 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         # The fused kernel reads cos/sin [P, D/2] (the two halves of each row are equal).
         self._half_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    fused = False  # set per instance by enable_fused_cpu_kernels
 
     def half_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [P, rotary_dim / 2] float32, what the fused kernel reads (the two halves

@@ -19,6 +19,9 @@
 //                                             stack's logit soft-cap (Gemma 2)
 //   plain:    h = add_rms_norm(o(attn), residual)            "post_attention"
 //             x = down(act(gate_up(h)))
+//             or, in an MoE layer (Qwen3-MoE), x = moe(h): the router's softmax top-k
+//             experts per token, each expert's tokens through its own gate_up / down,
+//             summed with the routing weights (SparseMoE.forward's ops, in its order)
 //   sandwich: h = add_rms_norm(rms_norm(o(attn)), residual)  "post_attention", then
 //                                                            "pre_feedforward"
 //             x = rms_norm(down(act(gate_up(h))))            "post_feedforward"  (Gemma)
@@ -90,15 +93,56 @@ LayerBuffers layer_buffers(int64_t t, const int64_t (&widths)[7]) {
 
 using LinearPtr = c10::intrusive_ptr<Linear>;
 
+// A mixture-of-experts MLP (engine/models/moe.py's SparseMoE): the router [E, H] float32,
+// each expert's gate_up and down, top_k experts per token.
+struct MoeWeights {
+  Tensor router;
+  std::vector<LinearPtr> gate_up, down;
+  int64_t top_k = 0;
+  bool norm_topk = false;
+
+  // x [T, H] -> [T, H], the module's ops in its order (so the same bits): routing with
+  // torch's own linear, softmax and top-k; the (token, slot) pairs sorted by expert
+  // (stable), so each expert runs once over a contiguous slice of its tokens; the weighted
+  // results added back per token in ascending expert order. Experts no token chose cost
+  // nothing: a decode step reads only the routed experts' weights.
+  Tensor forward(const Tensor& x, bool gelu) const {
+    const int64_t experts = static_cast<int64_t>(gate_up.size());
+    Tensor probs = at::softmax(at::linear(x, router), -1, at::kFloat);
+    auto [weights, chosen] = at::topk(probs, top_k, -1);
+    if (norm_topk) weights = weights / weights.sum(-1, /*keepdim=*/true);
+    weights = weights.to(x.scalar_type());
+    const Tensor flat = chosen.reshape(-1);
+    const Tensor order = at::argsort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const Tensor token_of = order.div(top_k, "floor");
+    const Tensor counts = at::bincount(flat, {}, experts).contiguous();
+    const int64_t* count = counts.data_ptr<int64_t>();
+    const Tensor grouped = x.index_select(0, token_of);
+    Tensor out = at::empty_like(grouped);
+    int64_t start = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      if (count[e] == 0) continue;
+      const Tensor rows = grouped.narrow(0, start, count[e]);
+      out.narrow(0, start, count[e]).copy_(down[e]->forward(gate_up[e]->gated(rows, gelu,
+                                                                               nullptr, nullptr)));
+      start += count[e];
+    }
+    out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1));
+    return at::zeros_like(x).index_add_(0, token_of, out);
+  }
+};
+
 struct DecoderLayerWeights {
   // Named norms (float32, the scale the kernel multiplies by: Gemma's 1 + w already added);
   // an undefined tensor where the layer has no such norm.
   Tensor input, post_attention, pre_feedforward, post_feedforward, q, k;
-  LinearPtr qkv, o, gate_up, down;
+  LinearPtr qkv, o, gate_up, down;  // gate_up and down: null in an MoE layer
+  std::shared_ptr<MoeWeights> moe;   // an MoE layer's MLP, else null
   int64_t sliding_window;  // 0: none
   int64_t rotary;          // index of the layer's rotary tables
 
   bool sandwich() const { return pre_feedforward.defined(); }
+  int64_t inner() const { return moe ? 0 : gate_up->out_features() / 2; }
 };
 
 class DecoderStack : public torch::CustomClassHolder {
@@ -127,6 +171,57 @@ class DecoderStack : public torch::CustomClassHolder {
   // "post_feedforward" (sandwich layers, both or neither); "q" and "k" (both or neither).
   void add_layer(c10::Dict<std::string, Tensor> norms, LinearPtr qkv, LinearPtr o,
                  LinearPtr gate_up, LinearPtr down, int64_t sliding_window, int64_t rotary) {
+    DecoderLayerWeights w = attention_part(norms, qkv, o, sliding_window, rotary);
+    const int64_t hidden = w.input.numel();
+    TORCH_CHECK(gate_up->in_features() == hidden && gate_up->out_features() % 2 == 0 &&
+                    down->in_features() == gate_up->out_features() / 2 &&
+                    down->out_features() == hidden,
+                "DecoderStack: the layer's MLP linears do not fit hidden ", hidden);
+    for (const DecoderLayerWeights& other : layers_)  // one set of buffers: the same widths
+      TORCH_CHECK(other.moe || other.inner() == gate_up->out_features() / 2,
+                  "DecoderStack: every dense layer must have the same MLP width");
+    w.gate_up = std::move(gate_up);
+    w.down = std::move(down);
+    layers_.push_back(std::move(w));
+  }
+
+  // An MoE layer: router [E, H] float32; its experts follow through add_expert.
+  void add_moe_layer(c10::Dict<std::string, Tensor> norms, LinearPtr qkv, LinearPtr o,
+                     Tensor router, int64_t top_k, bool norm_topk, int64_t sliding_window,
+                     int64_t rotary) {
+    DecoderLayerWeights w = attention_part(norms, qkv, o, sliding_window, rotary);
+    check_cpu_contiguous(router, "router");
+    TORCH_CHECK(router.scalar_type() == at::kFloat && router.dim() == 2 &&
+                    router.size(1) == w.input.numel() && top_k > 0 && top_k <= router.size(0),
+                "DecoderStack: the router must be float32 [experts, hidden] and 0 < top_k <= "
+                "experts");
+    w.moe = std::make_shared<MoeWeights>();
+    w.moe->router = router;
+    w.moe->top_k = top_k;
+    w.moe->norm_topk = norm_topk;
+    layers_.push_back(std::move(w));
+  }
+
+  // The next expert of the last layer added (an MoE layer), in expert order.
+  void add_expert(LinearPtr gate_up, LinearPtr down) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().moe, "DecoderStack: no MoE layer to add to");
+    MoeWeights& moe = *layers_.back().moe;
+    const int64_t hidden = layers_.back().input.numel();
+    TORCH_CHECK(static_cast<int64_t>(moe.gate_up.size()) < moe.router.size(0),
+                "DecoderStack: more experts than the router has");
+    TORCH_CHECK(gate_up->in_features() == hidden && gate_up->out_features() % 2 == 0 &&
+                    down->in_features() == gate_up->out_features() / 2 &&
+                    down->out_features() == hidden,
+                "DecoderStack: an expert's linears do not fit hidden ", hidden);
+    moe.gate_up.push_back(std::move(gate_up));
+    moe.down.push_back(std::move(down));
+  }
+
+ private:
+  // The norms, attention linears, window and rotary of a layer, checked.
+  DecoderLayerWeights attention_part(const c10::Dict<std::string, Tensor>& norms,
+                                     LinearPtr qkv, LinearPtr o, int64_t sliding_window,
+                                     int64_t rotary) {
     DecoderLayerWeights w;
     for (const auto& item : norms) {
       const std::string& name = item.key();
@@ -151,12 +246,9 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t hidden = w.input.numel(), q_size = heads_ * head_dim_;
     const int64_t qkv_size = q_size + 2 * kv_heads_ * head_dim_;
     TORCH_CHECK(qkv->in_features() == hidden && qkv->out_features() == qkv_size &&
-                    o->in_features() == q_size && o->out_features() == hidden &&
-                    gate_up->in_features() == hidden && gate_up->out_features() % 2 == 0 &&
-                    down->in_features() == gate_up->out_features() / 2 &&
-                    down->out_features() == hidden,
-                "DecoderStack: the layer's linears do not fit hidden ", hidden, " and ",
-                heads_, " + 2 x ", kv_heads_, " heads of ", head_dim_);
+                    o->in_features() == q_size && o->out_features() == hidden,
+                "DecoderStack: the layer's attention linears do not fit hidden ", hidden,
+                " and ", heads_, " + 2 x ", kv_heads_, " heads of ", head_dim_);
     for (const Tensor* n : {&w.post_attention, &w.pre_feedforward, &w.post_feedforward})
       TORCH_CHECK(!n->defined() || n->numel() == hidden, "DecoderStack: a norm of width ",
                   n->numel(), " in a model of width ", hidden);
@@ -165,21 +257,16 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(rotary >= 0 && rotary < static_cast<int64_t>(rotary_.size()),
                 "DecoderStack: no rotary tables ", rotary);
     TORCH_CHECK(sliding_window >= 0, "DecoderStack: negative sliding window");
-    if (!layers_.empty()) {  // one set of buffers serves every layer: the same widths
-      const DecoderLayerWeights& first = layers_.front();
-      TORCH_CHECK(first.input.numel() == hidden &&
-                      first.gate_up->out_features() == gate_up->out_features(),
-                  "DecoderStack: every layer must have the first one's widths");
-    }
+    TORCH_CHECK(layers_.empty() || layers_.front().input.numel() == hidden,
+                "DecoderStack: every layer must have the first one's width");
     w.qkv = std::move(qkv);
     w.o = std::move(o);
-    w.gate_up = std::move(gate_up);
-    w.down = std::move(down);
     w.sliding_window = sliding_window;
     w.rotary = rotary;
-    layers_.push_back(std::move(w));
+    return w;
   }
 
+ public:
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   std::tuple<Tensor, Tensor> forward(const Tensor& x_in, const Tensor& positions,
@@ -195,10 +282,14 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden && x_in.scalar_type() == at::kFloat,
                 "DecoderStack: x must be float32 [T, ", hidden, "]");
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    const int64_t inner = first.gate_up->out_features() / 2;
+    int64_t inner = 0;  // the dense layers' MLP width (MoE layers allocate their own)
     bool all_fused = true, any_sandwich = false;
     for (const DecoderLayerWeights& w : layers_) {
-      all_fused = all_fused && w.gate_up->fuses_gated();
+      TORCH_CHECK(!w.moe || !w.moe->gate_up.empty(), "DecoderStack: an MoE layer has no experts");
+      TORCH_CHECK(!w.moe || static_cast<int64_t>(w.moe->gate_up.size()) == w.moe->router.size(0),
+                  "DecoderStack: an MoE layer has fewer experts than its router");
+      inner = std::max(inner, w.inner());
+      all_fused = all_fused && (w.moe || w.gate_up->fuses_gated());
       any_sandwich = any_sandwich || w.sandwich();
     }
     const int64_t widths[7] = {hidden,       q_size + 2 * kv_size,   q_size, hidden,
@@ -240,6 +331,9 @@ class DecoderStack : public torch::CustomClassHolder {
         // The last layer's output is returned: a tensor of its own, not the reused buffer.
         x = last ? api::rms_norm(down, w.post_feedforward, eps_)
                  : api::rms_norm(down, w.post_feedforward, eps_, &buf.proj);
+      } else if (w.moe) {
+        h = api::add_rms_norm(o, residual, w.post_attention, eps_, &buf.h);
+        x = w.moe->forward(h, gelu_);  // a tensor of its own
       } else {
         h = api::add_rms_norm(o, residual, w.post_attention, eps_, &buf.h);
         Tensor act = w.gate_up->gated(h, gelu_, &buf.gate_up, &buf.act);
@@ -266,6 +360,8 @@ void register_decoder_stack(torch::Library& m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, double, bool>())
       .def("add_rotary", &DecoderStack::add_rotary)
       .def("add_layer", &DecoderStack::add_layer)
+      .def("add_moe_layer", &DecoderStack::add_moe_layer)
+      .def("add_expert", &DecoderStack::add_expert)
       .def("num_layers", &DecoderStack::num_layers);
   m.def(
       "decoder_stack(__torch__.torch.classes.pagedllm.DecoderStack stack, Tensor x, "
