@@ -55,9 +55,60 @@ def to_packed(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Packe
     per_block, nbytes = _BLOCK[type_name]
     if k % per_block:
         raise ValueError(f"{type_name} rows of {k} values are not whole blocks of {per_block}")
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n * (k // per_block), nbytes)
+    blocks = np.asarray(data, dtype=np.uint8).reshape(n * (k // per_block), nbytes)
     if type_name in ("Q4_0", "Q4_1"):
-        return _u4_as_stored(type_name, blocks, n, k)
+        return _u4_as_stored(type_name, np.ascontiguousarray(blocks), n, k)
+    # Decoded a slice of rows at a time into the full weight's tensors: the decoders'
+    # intermediates (int16 values, nibble planes, float products: several bytes per value)
+    # then take tens of MB, not GBs (a 151,936-row Q6_K embedding held ~800 MB of them).
+    rows = max(1, _CHUNK_VALUES // k)
+    per_row = k // per_block
+    whole: PackedWeight | None = None
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        part = _decode_rows(
+            type_name, np.ascontiguousarray(blocks[r0 * per_row : r1 * per_row]), r1 - r0, k
+        )
+        if whole is None:
+            if r1 == n:
+                return part
+            whole = _empty_like_rows(part, n)
+        _copy_rows(whole, part, r0)
+    assert whole is not None
+    return whole
+
+
+_CHUNK_VALUES = 1 << 22  # values of K decoded at once
+
+
+def _empty_like_rows(part: PackedWeight, n: int) -> PackedWeight:
+    """A weight of n rows with part's formats, every tensor allocated, not filled."""
+
+    def like(t: torch.Tensor) -> torch.Tensor:
+        return t.new_empty((n, *t.shape[1:]))
+
+    def factors(f: KFactors | None) -> KFactors | None:
+        return None if f is None else KFactors(like(f.multipliers), like(f.factors))
+
+    mins = None if part.mins is None else like(part.mins)
+    return PackedWeight(
+        part.kind, like(part.qweight), like(part.scales), mins, part.group, (n, part.shape[1]),
+        factors(part.scale_factors), factors(part.min_factors),
+    )  # fmt: skip
+
+
+def _copy_rows(whole: PackedWeight, part: PackedWeight, r0: int) -> None:
+    r1 = r0 + part.shape[0]
+    pairs = [(whole.qweight, part.qweight), (whole.scales, part.scales), (whole.mins, part.mins)]
+    for w, p in ((whole.scale_factors, part.scale_factors), (whole.min_factors, part.min_factors)):
+        if w is not None and p is not None:
+            pairs += [(w.multipliers, p.multipliers), (w.factors, p.factors)]
+    for target, source in pairs:
+        if target is not None and source is not None:
+            target[r0:r1] = source
+
+
+def _decode_rows(type_name: str, blocks: np.ndarray, n: int, k: int) -> PackedWeight:
     q, scale, mins, group = _DECODERS[type_name](blocks)
     # q: [num_blocks, per_block] integer values; scale/mins: [num_blocks, per_block // group]
     # values, or a K-quant's two levels (factor per block, integer multiplier per group)

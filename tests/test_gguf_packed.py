@@ -127,3 +127,28 @@ def test_k_quants_tile_their_two_levels_with_the_same_bits(tmp_path, type_name):
     expected = packed_matmul(x, float_form)
     for rows in (1, 2, 5, 7, 17):
         assert torch.equal(packed_matmul(x[:rows], k_form), expected[:rows])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_0", "Q6_K"])
+def test_a_large_tensor_is_decoded_a_slice_of_rows_at_a_time(tmp_path, monkeypatch, type_name):
+    """to_packed decodes row slices into the whole weight's tensors (bounded intermediates):
+    the same weight, factors included, as decoding all rows at once."""
+    from pagedllm_integrations.quant import gguf_blocks
+
+    data = _blocks(type_name, np.random.default_rng(11))
+    value = _write_and_read(tmp_path, type_name, data)
+    whole = to_packed(value.type_name, value.data, value.shape)
+    monkeypatch.setattr(gguf_blocks, "_CHUNK_VALUES", 5 * COLS)  # 5 rows a slice: 24 = 4 x 5 + 4
+    sliced = to_packed(value.type_name, value.data, value.shape)
+    for a, b in ((whole.qweight, sliced.qweight), (whole.scales, sliced.scales)):
+        assert torch.equal(a, b)
+    assert (whole.mins is None) == (sliced.mins is None)
+    if whole.mins is not None:
+        assert torch.equal(whole.mins, sliced.mins)
+    for f, g in (
+        (whole.scale_factors, sliced.scale_factors),
+        (whole.min_factors, sliced.min_factors),
+    ):
+        assert (f is None) == (g is None)
+        if f is not None:
+            assert torch.equal(f.multipliers, g.multipliers) and torch.equal(f.factors, g.factors)
