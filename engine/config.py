@@ -65,6 +65,12 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     trust_remote_code: bool = False
     enforce_eager: bool = True
+    # auto | generate | pooling (vLLM's names): what the engine serves. auto: an encoder
+    # embeds, a decoder generates and embeds (engine/pooling_step.py's model_tasks).
+    runner: str = "auto"
+    # Embeddings: {"pooling_type": "mean" | "cls" | "last", "normalize": bool} over what
+    # the model's sentence-transformers files say (engine/pooling.py). None: theirs.
+    pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -93,6 +99,13 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         self._check_prefix_cache_dir()
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError(
+                "pooler_config must be a dict such as {'pooling_type': 'mean', 'normalize': "
+                f"True}}, got {type(self.pooler_config).__name__}"
+            )
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be >= 1")
         if self.distributed_executor_backend not in (None, "mp", "ray"):

@@ -33,6 +33,8 @@ from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
+from .pooling import read_pooler_config
+from .pooling_step import finish_pooled, model_tasks
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .row_faults import sample_rows
@@ -48,6 +50,9 @@ __all__ = ["LLMEngine", "PromptType", "RequestGroup"]
 
 _DEFAULT_CPU_KV_BYTES = 1 * GiB
 _DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# An encoder's tokens per step when the user sets none: whole prompts only, so room for
+# several; the linears reach their rate well before this (see _default_batched_tokens).
+_ENCODER_BATCHED_TOKENS = 2048
 
 
 def _default_batched_tokens(device: torch.device) -> int:
@@ -68,6 +73,9 @@ class LLMEngine:
         self.model_folder = source.folder
         hf_config = read_config(source.folder)
         self.model_config = ModelConfig.from_hf_dict(hf_config)
+        self.pooler = read_pooler_config(
+            source.folder, hf_config, self.model_config.causal, config.pooler_config
+        )
         self.plan = choose_plan(
             self.device,
             config.dtype,
@@ -98,14 +106,26 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
 
         block_size = config.block_size
+        encoder = not self.model_config.causal
         if config.max_num_batched_tokens is not None:
             self.max_num_batched_tokens = config.max_num_batched_tokens
+            if encoder and self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"an encoder runs each prompt whole in one step: max_num_batched_tokens "
+                    f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+                )
+        elif encoder:
+            self.max_num_batched_tokens = max(_ENCODER_BATCHED_TOKENS, self.max_model_len)
         else:
             self.max_num_batched_tokens = (
                 _default_batched_tokens(self.device) if config.enable_chunked_prefill
                 else self.max_model_len
             )  # fmt: skip
-        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            not config.enable_chunked_prefill
+            and not encoder
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len}) so every prompt fits in a step"
@@ -126,6 +146,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             num_swap_blocks=num_swap_blocks,
             proposer=NgramProposer(config.speculation) if config.speculation else None,
+            encoder_only=encoder,
         )
         self.executor.allocate(self.num_blocks, block_size, num_swap_blocks)
         self.disk_cache: DiskPrefixCache | None = None
@@ -159,9 +180,14 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             block_size=block_size,
             generation_defaults=dict(self.generation_defaults),
+            tasks=model_tasks(config.runner, encoder, config.tensor_parallel_size),
+            embedding_size=self.model_config.hidden_size,
+            pooler=self.pooler,
         )
         self.inputs = InputProcessor(config, self.tokenizer, self.info, self.device)
         self.load_time = time.perf_counter() - started
+        if encoder:
+            logger.info("%s is an embedding model: %s", self.model_name, self.pooler.describe())
         logger.info(
             "loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
             self.model_name,
@@ -178,8 +204,13 @@ class LLMEngine:
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:
-            return min(limit, _DEFAULT_MAX_MODEL_LEN_CAP)
-        if self.config.max_model_len > limit and not self.model_config.rope_scaling:
+            # sentence-transformers' max_seq_length: the length the model was tuned for
+            # (all-MiniLM-L6-v2: 256 of its 512 positions).
+            trained = self.pooler.max_seq_length if not self.model_config.causal else None
+            return min(limit, trained or limit, _DEFAULT_MAX_MODEL_LEN_CAP)
+        if self.config.max_model_len > limit and (
+            not self.model_config.rope_scaling or not self.model_config.causal
+        ):
             raise ValueError(
                 f"max_model_len {self.config.max_model_len} exceeds the model's context "
                 f"length {limit} (max_position_embeddings)"
@@ -216,6 +247,8 @@ class LLMEngine:
 
     def _determine_num_blocks(self, block_size: int) -> int:
         per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
+        if not self.model_config.causal:
+            return 1  # an encoder keeps nothing between steps (the pool needs one block)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -289,7 +322,7 @@ class LLMEngine:
         tokens: list[list[int]] = [[] for _ in out.scheduled]
         logprobs: list[list] = [[] for _ in out.scheduled]
         try:
-            logits, sampled_rows = self.executor.execute(out, block_ids)
+            logits, sampled_rows, pooled = self.executor.execute(out, block_ids)
             failed = self._sample(
                 out, logits, sampled_rows, tokens, logprobs, iteration, recompute_logits
             )
@@ -307,6 +340,8 @@ class LLMEngine:
         update = self.scheduler.update_from_output(out, tokens, logprobs, iteration)
         for request, message in update.failed:
             self._fail(request, message, touched)
+        if out.num_pooling:
+            update.changed.extend(finish_pooled(out, pooled, self.scheduler, iteration))
         for request in update.changed:
             group = self.groups.get(request.parent_id or request.request_id)
             if group is not None:
@@ -395,7 +430,7 @@ class LLMEngine:
             touched[group.request_id] = group
 
     # ----------------------------------------------------------------- outputs
-    def _make_output(self, group: RequestGroup) -> RequestOutput | None:
+    def _make_output(self, group: RequestGroup) -> Any:
         return make_request_output(group)
 
     def _record_finished(self, group: RequestGroup, iteration: IterationStats) -> None:

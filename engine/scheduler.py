@@ -91,6 +91,7 @@ class SchedulerOutput:
     swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
     swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tokens among num_batched_tokens
+    num_pooling: int = 0  # embedding requests among scheduled (they sample no token)
 
     @property
     def is_empty(self) -> bool:
@@ -116,8 +117,13 @@ class Scheduler:
         policy: str | SchedulingPolicy = "fcfs",
         num_swap_blocks: int = 0,
         proposer: NgramProposer | None = None,
+        encoder_only: bool = False,
     ) -> None:
         self.kv = kv_manager
+        # An encoder (bidirectional attention) runs each prompt whole in one step and
+        # keeps no KV blocks: its requests take budget but never blocks, and never wait
+        # on the prefix cache.
+        self.encoder_only = encoder_only
         self.proposer = proposer  # speculative decoding's drafter, or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -209,6 +215,7 @@ class Scheduler:
         for item in out.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
+            out.num_pooling += item.request.pooling is not None
         if CHECK_INVARIANTS:
             self._check_invariants(out)
         return out
@@ -217,6 +224,8 @@ class Scheduler:
         """Draft tokens for a decoding request: as many as the budget, the context length
         and its max_tokens leave room for after the token it computes anyway."""
         if self.proposer is None or num_new != request.num_tokens - request.num_computed_tokens:
+            return []
+        if request.pooling is not None:  # an embedding request samples nothing
             return []
         if num_new != 1:  # still prefilling
             return []
@@ -229,6 +238,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self.encoder_only:
+                if request.num_tokens > budget:  # no chunks: bidirectional attention
+                    break
+                self._start(self.waiting.pop(0), request.num_tokens, 0, out)
+                budget -= request.num_tokens
+                continue
             swap_slots = self.swapped.get(request.request_id)
             if swap_slots is not None:  # its computed KV waits in host memory
                 hits, num_computed = [], request.num_computed_tokens
@@ -253,14 +268,17 @@ class Scheduler:
                 self.free_swap_slots.extend(self.swapped.pop(request.request_id))
             else:
                 self.kv.record_prefix_lookup(request.num_tokens, num_computed)
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
+            self._start(request, num_new, num_computed, out)
             budget -= num_new
         return budget
+
+    def _start(self, request: Request, num_new: int, num_computed: int, out: SchedulerOutput):
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         # Its blocks hold exactly its computed tokens: it is not scheduled in this step.
@@ -399,6 +417,9 @@ class Scheduler:
             assert item.start + item.num_tokens <= request.num_tokens + len(item.draft_token_ids)
             if item.draft_token_ids:
                 assert item.completes_prompt, request
+            if self.encoder_only:
+                assert item.start == 0 and item.completes_prompt, request
+                continue
             blocks = self.kv.num_blocks_of(request.request_id)
             assert blocks >= cdiv(item.start + item.num_tokens, self.kv.block_size), request
         for request in self.waiting:
