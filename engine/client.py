@@ -25,8 +25,7 @@ if TYPE_CHECKING:
     from .input_processor import InputProcessor
     from .metrics import SchedulerStats
     from .output_processor import RequestGroup
-    from .outputs import RequestOutput
-    from .outputs import EmbeddingRequestOutput
+    from .outputs import EmbeddingRequestOutput, RequestOutput
     from .pooling import PoolingParams
     from .sampling_params import SamplingParams
 

@@ -33,9 +33,9 @@ from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
+from .outputs import RequestOutput
 from .pooling import read_pooler_config
 from .pooling_step import finish_pooled, model_tasks
-from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .row_faults import sample_rows
 from .sampler import Sampler
