@@ -20,6 +20,7 @@ from ..engine.client import DEFAULT_STALL_SECONDS, EngineClient
 from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from .chat import create_chat_completion
 from .completions import create_completion
+from .embeddings import EmbeddingRequest, create_embedding, embedding_route
 from .errors import APIError, GuardedRoute, install_error_handlers
 from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from .metrics import PrometheusStatLogger
@@ -45,6 +46,8 @@ def create_app(
     compile_timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S,
     report_cached_tokens: bool = True,
     health_stall_timeout: float = DEFAULT_STALL_SECONDS,
+    embedding_engine: EngineClient | None = None,
+    embedding_model_name: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
@@ -57,6 +60,8 @@ def create_app(
     report_cached_tokens: report prefix-cache hits in `usage` (turn off on a server shared
         by tenants that must not learn about each other's prompts; see also `cache_salt`).
     health_stall_timeout: /health answers 503 once an engine step has run this long.
+    embedding_engine: the engine behind /v1/embeddings (its name: embedding_model_name);
+        None: `engine` itself where it embeds (server/embeddings.py).
     """
     if max_queue_len is not None and max_queue_len < 1:
         raise ValueError(f"max_queue_len must be >= 1 (or None for no limit), got {max_queue_len}")
@@ -96,18 +101,35 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(state, body, request)
 
+    embeddings = embedding_route(state, engine, embedding_engine, embedding_model_name)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        if embeddings is None:
+            raise APIError(
+                400, f"{model_name} does not serve embeddings; start the server with "
+                "--embedding-model to serve an embedding model beside it", param="model",
+            )  # fmt: skip
+        return await create_embedding(embeddings, body, request)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "pagedllm",
-            "root": engine.model_name,
-            "parent": None,
-            "max_model_len": engine.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        served = [(model_name, engine)]
+        if embeddings is not None and embeddings.engine is not engine:
+            served.append((embeddings.model_name, embeddings.engine))
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "pagedllm",
+                "root": client.model_name,
+                "parent": None,
+                "max_model_len": client.max_model_len,
+            }
+            for name, client in served
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/health")
     async def health() -> JSONResponse:

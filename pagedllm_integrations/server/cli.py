@@ -70,6 +70,24 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         help="no periodic status line (the engine logs one every 5 s while busy)",
     )
     parser.add_argument("--uvicorn-log-level", default="warning")
+    parser.add_argument(
+        "--embedding-model",
+        default=None,
+        help="an embedding model served by /v1/embeddings beside --model (a folder, hub id "
+        "or GGUF file; its own engine, default settings)",
+    )
+    parser.add_argument(
+        "--embedding-served-model-name",
+        default=None,
+        help="the name clients pass as `model` to /v1/embeddings",
+    )
+    parser.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="pooling: serve --model as an embedding model only (/v1/embeddings); an "
+        "encoder (BERT) is one under auto too",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,11 +106,28 @@ def run(args: argparse.Namespace) -> int:
             **engine_kwargs(args),
             served_model_name=args.served_model_name,
             disable_log_stats=args.disable_log_stats,
+            runner=args.runner,
         )
+        embedding_config = None
+        if args.embedding_model is not None:
+            embedding_config = EngineConfig.from_kwargs(
+                model=args.embedding_model,
+                device=args.device,
+                served_model_name=args.embedding_served_model_name,
+                disable_log_stats=args.disable_log_stats,
+            )
         engine = create_engine(config)
     except ValueError as error:
         print(f"pagedllm serve: {error}", file=sys.stderr)
         return 2
+    embedding_engine = None
+    if embedding_config is not None:
+        try:
+            embedding_engine = create_engine(embedding_config)
+        except ValueError as error:
+            engine.shutdown()
+            print(f"pagedllm serve: --embedding-model: {error}", file=sys.stderr)
+            return 2
     try:
         app = create_app(
             engine,
@@ -103,9 +138,13 @@ def run(args: argparse.Namespace) -> int:
             compile_timeout=args.grammar_compile_timeout,
             report_cached_tokens=args.report_cached_tokens,
             health_stall_timeout=args.health_stall_timeout,
+            embedding_engine=embedding_engine,
+            embedding_model_name=args.embedding_served_model_name,
         )
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:
         engine.shutdown()
+        if embedding_engine is not None:
+            embedding_engine.shutdown()
     return 0
