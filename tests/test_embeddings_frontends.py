@@ -51,6 +51,9 @@ class TestPagedEmbeddingsUnit(EmbeddingsUnitTests):
         return {"engine_kwargs": {"disable_log_stats": True}}
 
 
+# The suite's async tests need pytest-asyncio's mark (strict mode; harmless on sync ones).
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:The test <Function:pytest.PytestWarning")
 class TestPagedEmbeddingsIntegration(EmbeddingsIntegrationTests):
     @property
     def embeddings_class(self) -> type[PagedEmbeddings]:
