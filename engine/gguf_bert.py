@@ -5,8 +5,8 @@ pooling, each back in the Hugging Face / sentence-transformers form the engine r
 - Tensors keep their Hugging Face layout; only the names differ (gguf's BERT table).
 - The vocabulary is stored in "phantom space" form: a word-start token has a leading
   U+2581, a continuation has lost its `##`, [SPECIAL] tokens are as they were. Undone
-  here, it is a WordPiece vocabulary again; the file does not say whether the model
-  lower-cases, so a vocabulary without upper-case letters is taken as uncased.
+  here, it is a WordPiece vocabulary again. `tokenizer.ggml.normalizer.lowercase` says
+  whether the model lower-cases (files without it: a vocabulary with no A-Z is uncased).
 - `bert.pooling_type` (1 mean, 2 CLS, 3 last) becomes sentence-transformers' Pooling
   config; the file does not record normalization, and its vectors are normalized, as
   llama.cpp's llama-embedding and llama-server do by default.
@@ -70,11 +70,14 @@ def write_bert_files(path: Path, metadata: dict[str, Any], out: Path) -> None:
         raise ValueError(f"{path} holds no tokenizer vocabulary (tokenizer.ggml.tokens)")
     tokens = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
     words = [_wordpiece(token) for token in tokens]
-    # Uncased vocabularies hold no A-Z outside their [SPECIAL] tokens.
-    uncased = not any("A" <= c <= "Z" for word in words if not word.startswith("[") for c in word)
+    uncased = metadata.get("tokenizer.ggml.normalizer.lowercase")
+    if uncased is None:  # older files: uncased vocabularies hold no A-Z outside [SPECIAL]s
+        uncased = not any(
+            "A" <= c <= "Z" for word in words if not word.startswith("[") for c in word
+        )
     wordpiece = BertWordPieceTokenizer(
         {word: index for index, word in enumerate(words)},
-        lowercase=uncased,
+        lowercase=bool(uncased),
         strip_accents=None,
         clean_text=True,
         handle_chinese_chars=True,

@@ -5,7 +5,8 @@ name table: what the tests read when llama.cpp's converter is not installed.
 What the converter does, and this too: tensor names from gguf's BERT table (`bert.` prefix
 and the pooler dropped), 1-d tensors and the position / token-type tables in F32, the
 matrices in the chosen type; the WordPiece vocabulary in "phantom space" form (a word start
-gets a leading U+2581, a `##` continuation loses its `##`, [SPECIAL] tokens stay);
+gets a leading U+2581, a `##` continuation loses its `##`, special tokens stay) and its
+`normalizer.lowercase` flag;
 `bert.pooling_type` from sentence-transformers' Pooling config; `attention.causal` false.
 """
 
@@ -30,8 +31,8 @@ def _pooling(folder: Path) -> int:
     return _POOLING["last"] if settings.get("pooling_mode_lasttoken") else _POOLING["cls"]
 
 
-def _phantom(token: str) -> str:
-    if token.startswith("[") and token.endswith("]"):
+def _phantom(token: str, special: bool) -> str:
+    if special:  # [CLS], [SEP], ... (the [unusedN] tokens are not special: they get U+2581)
         return token
     return token[2:] if token.startswith("##") else "\u2581" + token
 
@@ -63,14 +64,17 @@ def export_bert_gguf(folder: Path, out: Path, weight_type: str = "F16") -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    tokens = [_phantom(token) for token, _ in vocab]
     special = set(tokenizer.all_special_ids)
+    tokens = [_phantom(token, index in special) for token, index in vocab]
     types = [
         gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
         for i in range(len(tokens))
     ]
     writer.add_token_type_count(int(config.get("type_vocab_size", 2)))
     writer.add_tokenizer_model("bert")
+    writer.add_bool("tokenizer.ggml.normalizer.lowercase", bool(tokenizer.do_lower_case))
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(True)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     for name, value in (
