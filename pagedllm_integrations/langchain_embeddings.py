@@ -12,8 +12,8 @@ batched together too. The async methods never block the event loop.
 Switching from a peer: `model_name=` (HuggingFaceEmbeddings) and `model_path=`
 (LlamaCppEmbeddings) name the model as `model=` does; HuggingFaceEmbeddings'
 `encode_kwargs` `normalize_embeddings` and `batch_size` map onto `normalize` and
-`batch_size`, `model_kwargs={"device": ...}` onto the engine's device. Other settings of
-theirs are refused by name.
+`batch_size`, `model_kwargs={"device": ...}` onto the engine's device, LlamaCppEmbeddings'
+`n_ctx` onto `max_model_len`. Other settings of theirs are refused by name.
 """
 
 from __future__ import annotations
@@ -93,6 +93,11 @@ class PagedEmbeddings(EngineOwner, BaseModel, Embeddings):
                     f"{sorted(_ENCODE_KWARGS)} there (or its own fields)"
                 )
             values[_ENCODE_KWARGS[key]] = value
+        if "n_ctx" in values:  # LlamaCppEmbeddings' context length
+            values["engine_kwargs"] = {
+                **(values.get("engine_kwargs") or {}),
+                "max_model_len": values.pop("n_ctx"),
+            }
         model_kwargs = dict(values.pop("model_kwargs", None) or {})
         if "device" in model_kwargs:
             values["engine_kwargs"] = {

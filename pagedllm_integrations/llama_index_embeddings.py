@@ -18,7 +18,7 @@ from typing import Any
 
 try:
     from llama_index.core.base.embeddings.base import BaseEmbedding
-    from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+    from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, model_validator
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         'pagedllm_integrations.llama_index needs llama-index-core: pip install "pagedllm[llama-index]"'
@@ -42,6 +42,9 @@ __all__ = ["PagedEmbedding"]
 
 class PagedEmbedding(EngineOwner, BaseEmbedding):
     """LlamaIndex `BaseEmbedding` on pagedllm's engine (text, query, batch and async)."""
+
+    # A setting it does not know (another library's) is refused by name, never dropped.
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(
         default=None,
