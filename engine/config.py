@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .cpu_share import DEFAULT_EMBEDDING_CPU_SHARE
 from .spec_decode.config import SpeculativeConfig
 
 GiB = 1 << 30
@@ -71,6 +72,9 @@ class EngineConfig:
     # Embeddings: {"pooling_type": "mean" | "cls" | "last", "normalize": bool} over what
     # the model's sentence-transformers files say (engine/pooling.py). None: theirs.
     pooler_config: dict[str, Any] | None = None
+    # An embedding-only engine's share of the time while a generation engine of this
+    # process has requests in flight (engine/cpu_share.py); 1.0: never yield.
+    embedding_cpu_share: float = DEFAULT_EMBEDDING_CPU_SHARE
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -101,6 +105,10 @@ class EngineConfig:
         self._check_prefix_cache_dir()
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if not 0.0 < self.embedding_cpu_share <= 1.0:
+            raise ValueError(
+                f"embedding_cpu_share must be in (0, 1], got {self.embedding_cpu_share!r}"
+            )
         if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
             raise ValueError(
                 "pooler_config must be a dict such as {'pooling_type': 'mean', 'normalize': "
