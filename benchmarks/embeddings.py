@@ -13,11 +13,11 @@ least disturbed one):
   inputs at 256 tokens, so pagedllm runs the folder with truncate=True: the same tokens.
 - pagedllm, the folder: default settings (the CPU fast path where the CPU has it).
 - llama.cpp: `llama-embedding` on an F16 GGUF written by llama.cpp's convert_hf_to_gguf.py
-  (mean pooling, normalized), its figure from its own "prompt eval time" (the model's
-  compute, without loading); pagedllm runs the same GGUF file (512-token limit, no
+  (mean pooling, normalized), timed from its first batch_decode (its own log's clock:
+  the model loaded) to its exit; pagedllm runs the same GGUF file (512-token limit, no
   truncation): the same tokens again.
-- one short query's latency: the median of 20 single-query calls, in process (llama.cpp:
-  the prompt eval time of one query).
+- one short query's latency: the median of 20 single-query calls, in process against
+  sentence-transformers; over HTTP (/v1/embeddings on the GGUF) against llama-server.
 - --mixed: 16 chat streams on the embedded SmolLM2 alone, then the same while 500 passages
   are embedded by an embedding engine in the same process: the streams' tokens/s ratio.
 
@@ -108,10 +108,18 @@ def worker_pagedllm(args: argparse.Namespace) -> dict:
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
         latency = _latency(lambda: llm.embed([QUERY], use_tqdm=False))
         plan = llm.engine.engine.plan.describe()
+        http = None
+        if gguf:  # the same query through pagedllm's server, as llama-server is timed
+            from pagedllm_integrations.server.app import create_app
+            from pagedllm_integrations.server.testing import ThreadedServer
+
+            with ThreadedServer(create_app(llm.engine)) as server:
+                http = http_query_ms(server.url + "/v1/embeddings")
     return {
         "docs_per_s": len(texts) / elapsed,
         "tokens_per_s": tokens / elapsed,
         "query_ms": latency,
+        "http_query_ms": http,
         "plan": plan,
     }
 
@@ -201,6 +209,7 @@ def llama_embedding(binaries: Path, gguf: Path, texts: list[str], threads: int) 
     """Seconds of llama-embedding's prompt evaluation for `texts` (one per line)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:
         handle.write("\n".join(texts) + "\n")
+    started = time.perf_counter()
     try:
         done = subprocess.run(
             [str(binaries / "llama-embedding"), "-m", str(gguf), "-f", handle.name,
@@ -211,21 +220,54 @@ def llama_embedding(binaries: Path, gguf: Path, texts: list[str], threads: int) 
         )  # fmt: skip
     finally:
         os.unlink(handle.name)
-    match = re.search(r"prompt eval time =\s*([\d.]+) ms", done.stderr)
+    wall = time.perf_counter() - started
+    # Its log lines start with the time since it started (minutes.seconds.ms.us): the
+    # first batch_decode line ends the loading, which is left out.
+    match = re.search(r"^(\d+)\.(\d+)\.(\d+)\.\d+ I batch_decode", done.stderr, re.MULTILINE)
     if match is None:
-        raise RuntimeError(
-            f"no prompt eval time in llama-embedding's output:\n{done.stderr[-2000:]}"
+        raise RuntimeError(f"no batch_decode line in llama-embedding's log:\n{done.stderr[-2000:]}")
+    minutes, seconds, millis = (int(g) for g in match.groups())
+    return wall - (minutes * 60 + seconds + millis / 1000)
+
+
+def http_query_ms(url: str) -> float:
+    """Median latency of one short query to an OpenAI-style /v1/embeddings."""
+    import httpx
+
+    with httpx.Client(timeout=60) as client:
+        return _latency(
+            lambda: client.post(url, json={"input": QUERY, "model": "m"}).raise_for_status()
         )
-    return float(match.group(1)) / 1000
+
+
+def llama_server_query_ms(binaries: Path, gguf: Path, threads: int) -> float:
+    import httpx
+
+    port = 18000 + os.getpid() % 1000
+    server = subprocess.Popen(
+        [str(binaries / "llama-server"), "-m", str(gguf), "--embedding", "--pooling", "mean",
+         "-t", str(threads), "-c", "512", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        return http_query_ms(f"http://127.0.0.1:{port}/v1/embeddings")
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def worker_llama(args: argparse.Namespace, binaries: Path, gguf: Path) -> dict:
     texts = passages(args.passages)
     seconds = llama_embedding(binaries, gguf, texts, args.threads)
-    query = statistics.median(
-        llama_embedding(binaries, gguf, [QUERY], args.threads) for _ in range(5)
-    )
-    return {"docs_per_s": len(texts) / seconds, "query_ms": query * 1000}
+    query = llama_server_query_ms(binaries, gguf, args.threads)
+    return {"docs_per_s": len(texts) / seconds, "query_ms": None, "http_query_ms": query}
 
 
 def _tool(name: str) -> str:
@@ -235,8 +277,11 @@ def _tool(name: str) -> str:
 
 
 def _best(runs: list[dict]) -> dict:
-    best = max(runs, key=lambda r: r["docs_per_s"])
-    return {**best, "query_ms": min(r["query_ms"] for r in runs), "rounds": runs}
+    best = dict(max(runs, key=lambda r: r["docs_per_s"]))
+    for key in ("query_ms", "http_query_ms"):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        best[key] = min(values) if values else None
+    return {**best, "rounds": runs}
 
 
 def main() -> int:
@@ -292,11 +337,18 @@ def _cpu() -> str:
 
 def print_table(report: dict) -> None:
     print(f"{report['cpu']}, {report['threads']} threads, {report['passages']} passages")
-    print(f"{'system':<24}{'docs/s':>10}{'query ms':>10}")
+    print(f"{'system':<24}{'docs/s':>10}{'query ms':>10}{'HTTP query ms':>15}")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     for name in ("pagedllm", "sentence-transformers", "pagedllm (GGUF)", "llama.cpp"):
         if name in report:
             entry = report[name]
-            print(f"{name:<24}{entry['docs_per_s']:>10.1f}{entry['query_ms']:>10.2f}")
+            print(
+                f"{name:<24}{entry['docs_per_s']:>10.1f}{ms(entry['query_ms']):>10}"
+                f"{ms(entry.get('http_query_ms')):>15}"
+            )
     pairs = (("pagedllm", "sentence-transformers"), ("pagedllm (GGUF)", "llama.cpp"))
     for ours, peer in pairs:
         if ours in report and peer in report:

@@ -42,6 +42,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode.ngram import NgramProposer
 from .spec_decode.verifier import DraftVerifier
+from .step_budget import step_budget
 from .tool_formats import ToolCallFormat
 
 logger = logging.getLogger(__name__)
@@ -50,17 +51,6 @@ __all__ = ["LLMEngine", "PromptType", "RequestGroup"]
 
 _DEFAULT_CPU_KV_BYTES = 1 * GiB
 _DEFAULT_MAX_MODEL_LEN_CAP = 8192
-# An encoder's tokens per step when the user sets none: whole prompts only, so room for
-# several; the linears reach their rate well before this (see _default_batched_tokens).
-_ENCODER_BATCHED_TOKENS = 2048
-
-
-def _default_batched_tokens(device: torch.device) -> int:
-    """Tokens per step with chunked prefill when the user sets none. On a CPU, 512: the
-    packed linears run as fast at 512 rows as at 2048 (the int8 kernels reach their rate by
-    ~256 rows), and a step's activations are a quarter as large (a 64-sequence job's peak
-    memory measured 143 MiB lower at 512 than at 2048). On a GPU, 2048."""
-    return 2048 if device.type == "cuda" else 512
 
 
 class LLMEngine:
@@ -107,29 +97,7 @@ class LLMEngine:
 
         block_size = config.block_size
         encoder = not self.model_config.causal
-        if config.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = config.max_num_batched_tokens
-            if encoder and self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"an encoder runs each prompt whole in one step: max_num_batched_tokens "
-                    f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
-                )
-        elif encoder:
-            self.max_num_batched_tokens = max(_ENCODER_BATCHED_TOKENS, self.max_model_len)
-        else:
-            self.max_num_batched_tokens = (
-                _default_batched_tokens(self.device) if config.enable_chunked_prefill
-                else self.max_model_len
-            )  # fmt: skip
-        if (
-            not config.enable_chunked_prefill
-            and not encoder
-            and self.max_num_batched_tokens < self.max_model_len
-        ):
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({self.max_model_len}) so every prompt fits in a step"
-            )
+        self.max_num_batched_tokens = step_budget(config, self.device, self.max_model_len, encoder)
         self.num_blocks = self._determine_num_blocks(block_size)
         bytes_per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
         num_swap_blocks = int(config.swap_space * GiB) // bytes_per_block

@@ -20,11 +20,11 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, cdiv
 from .metrics import IterationStats
 from .request import LogprobInfo, Request, RequestStatus
+from .scheduler_output import ScheduledRequest, SchedulerOutput, StepUpdate
 from .spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -65,45 +65,6 @@ def make_policy(policy: str | SchedulingPolicy) -> SchedulingPolicy:
     raise ValueError(
         f"scheduling_policy must be 'fcfs', 'priority' or a SchedulingPolicy, got {policy!r}"
     )
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens computed for it in this step (its draft tokens included)
-    start: int  # its num_computed_tokens before this step (position of the first one)
-    # Speculative tokens after its last known token, verified by this step (the last
-    # len(draft_token_ids) of its num_tokens).
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def completes_prompt(self) -> bool:
-        """True when this step computes its last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens + len(self.draft_token_ids)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-    # (block ids on device, slots in the host swap space) to copy before the forward pass.
-    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    num_draft_tokens: int = 0  # draft tokens among num_batched_tokens
-    num_pooling: int = 0  # embedding requests among scheduled (they sample no token)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What committing a step changed."""
-
-    changed: list[Request] = field(default_factory=list)  # got tokens (or failed) this step
-    failed: list[tuple[Request, str]] = field(default_factory=list)  # (request, why)
 
 
 class Scheduler:
