@@ -235,9 +235,7 @@ def http_query_ms(url: str) -> float:
     import httpx
 
     with httpx.Client(timeout=60) as client:
-        return _latency(
-            lambda: client.post(url, json={"input": QUERY, "model": "m"}).raise_for_status()
-        )
+        return _latency(lambda: client.post(url, json={"input": QUERY}).raise_for_status())
 
 
 def llama_server_query_ms(binaries: Path, gguf: Path, threads: int) -> float:

@@ -17,8 +17,7 @@ task heads' checkpoints (whose `cls.*` / `pooler.*` tensors are not used).
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,9 +28,15 @@ from ..attention_metadata import AttentionMetadata
 from ..gguf_loader import as_dense
 from .config import ModelConfig, common_fields
 from .layers import LinearFactory, dense_linear
+from .split_work import SplitWork
 
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+# In place: each runs on its own rows of the step's activations.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], object]] = {
+    "gelu": lambda x: torch.ops.aten.gelu_(x),
+    "relu": lambda x: x.relu_(),
+    "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+}
 # Checkpoint tensors the embedding model does not use.
 _UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
 
@@ -85,18 +90,39 @@ class BertLayer(nn.Module):
         self.out_norm = nn.LayerNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bounds: list[int], split: SplitWork) -> torch.Tensor:
         """x [T, hidden]; bounds: sequence i is rows bounds[i]:bounds[i + 1]."""
         rows = x.shape[0]
         qkv = self.qkv(x).view(rows, 3, self.heads, self.head_dim)
         out = torch.empty(rows, self.heads, self.head_dim, dtype=x.dtype, device=x.device)
-        for start, end in itertools.pairwise(bounds):
-            # [1, heads, L, head_dim] each: 4-d inputs take torch's flash kernel on CPU
-            # (3-d ones its unfused math path, 4x slower at 256 tokens)
-            q, k, v = qkv[start:end].permute(1, 2, 0, 3).unsqueeze(1)
-            out[start:end] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
-        x = self.attn_norm(x + self.attn_out(out.view(rows, -1)).to(x.dtype))
-        return self.out_norm(x + self.down(self.act(self.up(x))).to(x.dtype))
+
+        def attend(group: list[tuple[int, int]]) -> None:
+            for start, end in group:
+                # [1, heads, L, head_dim] each: 4-d inputs take torch's flash kernel on CPU
+                # (3-d ones its unfused math path, 4x slower at 256 tokens)
+                q, k, v = qkv[start:end].permute(1, 2, 0, 3).unsqueeze(1)
+                out[start:end] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+
+        split.run(attend, split.sequences(bounds))
+        x = self._add_norm(x, self.attn_out(out.view(rows, -1)), self.attn_norm, split)
+        hidden = self.up(x)
+        split.run(lambda r: self.act(hidden[r[0] : r[1]]), split.rows(rows))
+        return self._add_norm(x, self.down(hidden), self.out_norm, split)
+
+    @staticmethod
+    def _add_norm(
+        x: torch.Tensor, y: torch.Tensor, norm: nn.LayerNorm, split: SplitWork
+    ) -> torch.Tensor:
+        """norm(x + y), rows split over the threads (y is overwritten)."""
+        out = torch.empty_like(x)
+
+        def piece(r: tuple[int, int]) -> None:
+            a, b = r
+            summed = y[a:b].to(x.dtype).add_(x[a:b])
+            out[a:b] = F.layer_norm(summed, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+        split.run(piece, split.rows(x.shape[0]))
+        return out
 
 
 class BertEncoder(nn.Module):
@@ -116,6 +142,7 @@ class BertEncoder(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self.fused_cpu = fused_cpu
+        self._split: SplitWork | None = None  # made on the engine's thread, at the first step
         self._linears: dict[str, tuple[nn.Module, int]] = {}
         hidden = cfg.hidden_size
 
@@ -155,9 +182,18 @@ class BertEncoder(nn.Module):
         )
         x = self.embed_norm(x)
         bounds = meta.cu_seqlens_q.tolist()
+        split = self._split_work()
         for layer in self.layers:
-            x = layer(x, bounds)
+            x = layer(x, bounds, split)
         return x
+
+    def _split_work(self) -> SplitWork:
+        """On the fast path, the kernel pool's thread count (the engine's thread runs
+        torch on one); elsewhere torch's own threads do it, and there is nothing to split."""
+        if self._split is None:
+            threads = int(torch.ops.pagedllm.pool_threads()) if self.fused_cpu else 1
+            self._split = SplitWork(threads)
+        return self._split
 
     # ------------------------------------------------------------------ weights
     def _plain(self) -> dict[str, nn.Parameter]:
