@@ -7,7 +7,7 @@ step's attention, activation and residual norms run over thousands of rows and w
 use one core of several. `SplitWork` runs such work as pieces on this thread and on helper
 threads (one fewer than the pool's threads, each with one torch thread): sequences split
 by attention cost, rows split evenly. Each piece writes its own rows, so results do not
-depend on who ran a piece.
+depend on who ran a piece. Used on the fast path only (its C++ kernels are loaded).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ T = TypeVar("T")
 
 
 def _one_torch_thread() -> None:
-    torch.set_num_threads(1)
+    # This thread's OpenMP count only. torch.set_num_threads would also set the process's
+    # default, which every thread started later (an engine's next thread) would take.
+    torch.ops.pagedllm.kernel_thread(1)
 
 
 def _inference(fn: Callable[[T], None], piece: T) -> None:
