@@ -213,6 +213,10 @@ class PoolingState:
         mean needs every row's hidden state and CLS the first."""
         return self.pooling_type == "last"
 
+    def reset(self) -> None:
+        """Forget the rows pooled so far (the request is recomputed after preemption)."""
+        self.total, self.rows = None, 0
+
     def add(self, part: torch.Tensor, rows: int) -> None:
         if self.pooling_type == "mean":
             self.total = part if self.total is None else self.total + part

@@ -250,6 +250,8 @@ class Scheduler:
             out.swap_out.append((block_ids, slots))
         else:
             request.num_computed_tokens = 0  # recompute from scratch (prefix cache may help)
+            if request.pooling is not None:  # an embedding's sum restarts with its rows
+                request.pooling.reset()
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

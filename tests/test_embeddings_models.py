@@ -211,3 +211,25 @@ def test_embeddings_beside_generation_in_one_engine(tiny_llama_dir):
         assert [s.result().outputs[0].token_ids for s in streams] == alone_tokens
         assert torch.allclose(together, alone_vectors, atol=1e-5)
         assert engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_mean_pooling_survives_preemption(tiny_llama_dir):
+    """Mean pooling over a decoder's chunks, beside generation requests in a KV cache so
+    small that the newest requests (the embeddings) are preempted and recomputed: the same
+    vectors as with room to spare."""
+    texts = [t for t in held_out_texts(30, seed=9, max_words=100) if len(t.split()) > 70][:3]
+    pooler = {"pooling_type": "mean"}
+    roomy = dict(dtype="float32", pooler_config=pooler, max_num_batched_tokens=16, **ENGINE)
+    with LLM(str(tiny_llama_dir), **roomy) as llm:
+        want = embed(llm, texts)
+    tight = dict(roomy, num_kv_blocks=10, max_model_len=160, enable_prefix_caching=False)
+    with LLM(str(tiny_llama_dir), **tight) as llm:
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        chats = [engine.add_request(f"Story number {i}:", params) for i in range(2)]
+        streams = engine.submit_many(engine.process_embedding_inputs(texts, PoolingParams()))
+        got = torch.stack([s.result().outputs.data for s in streams])
+        assert all(len(c.result().outputs[0].token_ids) == 60 for c in chats)
+        assert engine.scheduler_stats().num_preemptions > 0
+        assert engine.num_free_blocks() == engine.num_total_blocks()
+    assert torch.allclose(got, want, atol=1e-5)
