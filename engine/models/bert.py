@@ -69,6 +69,7 @@ class BertLayer(nn.Module):
         super().__init__()
         hidden, self.heads = cfg.hidden_size, cfg.num_heads
         self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
         self.qkv = make_linear(
             hidden,
             [hidden] * 3,
@@ -98,10 +99,11 @@ class BertLayer(nn.Module):
 
         def attend(group: list[tuple[int, int]]) -> None:
             for start, end in group:
-                # [1, heads, L, head_dim] each: 4-d inputs take torch's flash kernel on CPU
-                # (3-d ones its unfused math path, 4x slower at 256 tokens)
-                q, k, v = qkv[start:end].permute(1, 2, 0, 3).unsqueeze(1)
-                out[start:end] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+                # Two batched matmuls and a softmax over [heads, L, L] (L <= 512): on one
+                # thread 2x faster than torch's flash kernel at 256 tokens and 9x at 10.
+                q, k, v = qkv[start:end].permute(1, 2, 0, 3)  # each [heads, L, head_dim]
+                scores = torch.bmm(q * self.scale, k.transpose(1, 2)).softmax(dim=-1)
+                out[start:end] = torch.bmm(scores, v).transpose(0, 1)
 
         split.run(attend, split.sequences(bounds))
         x = self._add_norm(x, self.attn_out(out.view(rows, -1)), self.attn_norm, split)
