@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from . import cpu_share
 from .client import DEFAULT_STALL_SECONDS, EngineClient
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestGroup
@@ -252,6 +253,7 @@ class AsyncEngine(EngineClient):
             thread.join(timeout=30)
         else:  # parked: nobody is left to fail the streams
             self._fail_all(EngineDeadError("the engine has been shut down"))
+        cpu_share.mark_generating(self, False)
         engine, self.engine = self.engine, None  # type: ignore[assignment]
         if engine is not None:
             engine.shutdown()
@@ -275,6 +277,7 @@ class AsyncEngine(EngineClient):
 
     def _park(self) -> bool:
         """End the thread if no command came in meanwhile (under the lock `_send` takes)."""
+        cpu_share.mark_generating(self, False)
         with self._lock:
             if not self._commands.empty():
                 return False
@@ -338,7 +341,7 @@ class AsyncEngine(EngineClient):
                 stream.put(error)
 
     def _step(self) -> None:
-        self._step_started = time.monotonic()
+        self._step_started = started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as error:  # a broken invariant: fail what is in flight, keep serving
@@ -355,6 +358,17 @@ class AsyncEngine(EngineClient):
         self._failed_steps = 0
         for output in outputs:
             self._deliver(output)
+        self._share_cpu(time.monotonic() - started)
+
+    def _share_cpu(self, step_seconds: float) -> None:
+        """A generation engine says whether it is busy; an embedding-only engine pauses
+        while one is (engine/cpu_share.py)."""
+        if "generate" in self._inputs.info.tasks:
+            cpu_share.mark_generating(self, self.engine.has_unfinished_requests())
+        elif self.engine.has_unfinished_requests():
+            pause = cpu_share.pause_after(step_seconds, self.config.embedding_cpu_share)
+            if pause > 0:
+                time.sleep(pause)
 
     def _deliver(self, output: RequestOutput) -> None:
         if output.finished:

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from .input_processor import InputProcessor
     from .metrics import SchedulerStats
     from .output_processor import RequestGroup
-    from .outputs import RequestOutput
+    from .outputs import EmbeddingRequestOutput, RequestOutput
+    from .pooling import PoolingParams
     from .sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -51,6 +52,10 @@ class ModelInfo:
     # `--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty,
     # max_tokens. Explicit settings always win over them.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # What the engine serves: "generate" (text), "embed" (embeddings), or both.
+    tasks: tuple[str, ...] = ("generate",)
+    embedding_size: int = 0  # the length of a full embedding (the hidden size)
+    pooler: Any = None  # engine/pooling.py's PoolerConfig: pooling, normalize, limits
 
 
 class EngineClient(ABC):
@@ -154,6 +159,73 @@ class EngineClient(ABC):
             if not stream.finished:
                 self.abort(stream.request_id)
 
+    # ----------------------------------------------------------- embeddings
+    def process_embedding_inputs(
+        self,
+        prompts: list[PromptType],
+        params: PoolingParams | None = None,
+        priority: int = 0,
+    ) -> list[RequestGroup]:
+        """Tokenize and validate embedding requests on the caller's thread (ValueError
+        naming the first bad input; nothing is made unless all are good)."""
+        return self._inputs.process_embedding_batch(list(prompts), params, priority)
+
+    def embed_sync(
+        self: Any,
+        prompts: list[PromptType],
+        params: PoolingParams | None = None,
+        priority: int = 0,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed prompts on this thread, all submitted at once (the scheduler batches
+        them); outputs in the prompts' order. A request the engine failed raises
+        RequestError; if this call is interrupted, the requests still running are aborted."""
+        groups = self.process_embedding_inputs(prompts, params, priority)
+        done: queue.Queue = queue.Queue()
+        streams = self.submit_many(groups, sink=done)
+        results: dict[str, Any] = {}
+        try:
+            while len(results) < len(streams):
+                item = done.get()
+                if isinstance(item, BaseException):
+                    raise item
+                results[item.request_id] = _check_embedding(item)
+        finally:
+            for stream in streams:
+                if stream.request_id not in results:
+                    self.abort(stream.request_id)
+        return [results[stream.request_id] for stream in streams]
+
+    async def embed(
+        self: Any,
+        prompts: list[PromptType],
+        params: PoolingParams | None = None,
+        priority: int = 0,
+    ) -> list[EmbeddingRequestOutput]:
+        """`embed_sync` on the running event loop: the loop never waits on the engine
+        (tokenizing many texts runs in a worker thread); cancelling aborts the requests."""
+        loop = asyncio.get_running_loop()
+        prompts = list(prompts)
+        if len(prompts) > 8:  # tokenizing a long list would hold the loop
+            groups = await asyncio.to_thread(
+                self.process_embedding_inputs, prompts, params, priority
+            )
+        else:
+            groups = self.process_embedding_inputs(prompts, params, priority)
+        streams = self.submit_many(groups, loop=loop)
+
+        async def final(stream: RequestStream) -> Any:
+            last = None
+            async for output in stream:
+                last = output
+            return _check_embedding(last)
+
+        try:
+            return list(await asyncio.gather(*(final(s) for s in streams)))
+        finally:
+            for stream in streams:
+                if not stream.finished:
+                    self.abort(stream.request_id)
+
     def precompute(self, prompt: PromptType, cache_salt: str | None = None) -> int:
         """The same as `save_prefix(prompt)`."""
         return self.save_prefix(prompt, cache_salt)
@@ -237,3 +309,16 @@ class EngineClient(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop serving and free the model's memory. Idempotent."""
+
+
+def _check_embedding(output: Any) -> Any:
+    """The output of a finished embedding request; RuntimeError when it has no vector (it
+    was aborted, or the engine shut down under it)."""
+    if output is not None and output.error is not None:
+        from .async_engine import RequestError
+
+        raise RequestError(f"request {output.request_id} failed: {output.error}")
+    if output is None or output.outputs is None:
+        reason = "no output" if output is None else output.finish_reason or "no vector"
+        raise RuntimeError(f"embedding request ended without a vector ({reason})")
+    return output

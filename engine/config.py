@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .cpu_share import DEFAULT_EMBEDDING_CPU_SHARE
 from .spec_decode.config import SpeculativeConfig
 
 GiB = 1 << 30
@@ -96,6 +97,15 @@ class EngineConfig:
     # CPU threads of the fast path's kernels for this engine (llama.cpp's n_threads); None:
     # torch's thread count. Other paths run on torch's threads (torch.set_num_threads).
     num_threads: int | None = None
+    # auto | generate | pooling (vLLM's names): what the engine serves. auto: an encoder
+    # embeds, a decoder generates and embeds (engine/pooling_step.py's model_tasks).
+    runner: str = "auto"
+    # Embeddings: {"pooling_type": "mean" | "cls" | "last", "normalize": bool} over what
+    # the model's sentence-transformers files say (engine/pooling.py). None: theirs.
+    pooler_config: dict[str, Any] | None = None
+    # An embedding-only engine's share of the time while a generation engine of this
+    # process has requests in flight (engine/cpu_share.py); 1.0: never yield.
+    embedding_cpu_share: float = DEFAULT_EMBEDDING_CPU_SHARE
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -134,6 +144,17 @@ class EngineConfig:
                     "runs on torch's threads); leave one of them unset"
                 )
         self._check_prefix_cache_dir()
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if not 0.0 < self.embedding_cpu_share <= 1.0:
+            raise ValueError(
+                f"embedding_cpu_share must be in (0, 1], got {self.embedding_cpu_share!r}"
+            )
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError(
+                "pooler_config must be a dict such as {'pooling_type': 'mean', 'normalize': "
+                f"True}}, got {type(self.pooler_config).__name__}"
+            )
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be >= 1")
         if self.distributed_executor_backend not in (None, "mp", "ray"):

@@ -10,7 +10,8 @@ in memory (on GPU, from what a warm-up forward leaves free):
 
     executor = build_executor(...)             weights loaded; executor.model is rank 0's
     executor.allocate(num_blocks, block_size)  KV cache (and swap space) on every rank
-    executor.execute(step, block_ids)          -> logits [N, vocab] float32, sampled rows
+    executor.execute(step, block_ids)          -> logits [N, vocab] float32, sampled rows,
+                                                  pooled parts of embedding requests
     executor.shutdown()
 
 The thread that will call `execute` calls `executor.claim_thread()` first (the engine's
@@ -33,6 +34,7 @@ from .models.backend import backend_for
 from .models.config import ModelConfig
 from .models.layers import LinearFactory
 from .models.registry import build_model
+from .pooling import PooledParts
 from .scheduler import SchedulerOutput
 
 
@@ -51,10 +53,11 @@ class Executor(Protocol):
 
     def execute(
         self, step: SchedulerOutput, block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, list[int], PooledParts]:
         """Run one step: logits [N, vocab] float32 and the indexes (into step.scheduled)
         of the requests they belong to, in order: one row each, or 1 + k rows for a
-        request verifying k draft tokens."""
+        request verifying k draft tokens; and what the step adds to each embedding
+        request's pooled vector."""
         ...
 
     def claim_thread(self) -> None:
@@ -108,7 +111,7 @@ class LocalExecutor:
 
     def execute(
         self, step: SchedulerOutput, block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, list[int], PooledParts]:
         assert self.runner is not None, "allocate() the KV cache before the first step"
         return self.runner.execute(step, block_ids)
 

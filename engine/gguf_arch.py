@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gguf_bert import BERT_BLOCK, BERT_TOP_LEVEL, bert_config, write_bert_files
+
 # GGUF tensor name (the part after blk.N.) -> Hugging Face name (after model.layers.N.).
 _LLAMA_BLOCK = {
     "attn_norm": "input_layernorm",
@@ -82,6 +84,11 @@ class GGUFArch:
     # metadata (keys without the "<arch>." prefix) + tensor shapes -> config.json fields;
     # None: transformers reads the config from the file itself
     config: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    # Encoders (bert) name their tensors their own way, and carry a tokenizer transformers
+    # cannot read from GGUF: (file, metadata, folder) writes it (and any other files).
+    top_level: dict[str, str] | None = None  # GGUF name -> HF name (weight and bias)
+    layer_prefix: str = "model.layers"
+    write_files: Callable[[Any, dict[str, Any], Any], None] | None = None
 
 
 def _key(meta: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -216,6 +223,15 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
         "Gemma3ForCausalLM", "gemma3_text", _GEMMA_BLOCK, ("norm_minus_one",), _gemma3_config
     ),
     "phi3": GGUFArch("Phi3ForCausalLM", "phi3", _PHI3_BLOCK, config=_phi3_config),
+    "bert": GGUFArch(
+        "BertModel",
+        "bert",
+        BERT_BLOCK,
+        config=bert_config,
+        top_level=BERT_TOP_LEVEL,
+        layer_prefix="encoder.layer",
+        write_files=write_bert_files,
+    ),
 }
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -236,14 +252,16 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
     """
     spec = gguf_arch(arch)
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _TOP_LEVEL and suffix == "weight":
+    if spec.top_level is not None and base in spec.top_level:
+        return f"{spec.top_level[base]}.{suffix}"
+    if spec.top_level is None and base in _TOP_LEVEL and suffix == "weight":
         return f"{_TOP_LEVEL[base]}.weight"
     if base in _CONFIG_TENSORS:
         return None
     match = _BLOCK_NAME.match(gguf_name)
     if match and match.group(2) in spec.block:
         layer, leaf, kind = match.groups()
-        return f"model.layers.{layer}.{spec.block[leaf]}.{kind}"
+        return f"{spec.layer_prefix}.{layer}.{spec.block[leaf]}.{kind}"
     raise ValueError(f"GGUF tensor {gguf_name!r} is not known for architecture {arch!r}")
 
 

@@ -152,6 +152,14 @@ def _write_folder(path: Path, out: Path) -> None:
     gguf_file = read_gguf(path)
     arch = str(gguf_file.metadata.get("general.architecture"))
     spec = gguf_arch.gguf_arch(arch)  # ValueError naming the supported architectures
+    if spec.write_files is not None:  # an encoder: tokenizer and pooling files of its own
+        config = gguf_arch.hf_config(
+            arch, _arch_metadata(gguf_file, arch), _tensor_facts(gguf_file)
+        )
+        spec.write_files(path, gguf_file.metadata, out)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / _MARKER).write_text(json.dumps({"file": str(path.resolve())}))
+        return
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         config = gguf_arch.hf_config(

@@ -18,7 +18,9 @@ import torch
 from .client import ModelInfo, PromptType
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .embedding_inputs import make_embedding_group, make_embedding_groups
 from .output_processor import RequestGroup
+from .pooling import PoolingParams
 from .request import Request
 from .request_limits import check_text
 from .sampling_params import SamplingParams
@@ -57,6 +59,11 @@ class InputProcessor:
         With no params, the model's generation defaults (generation_config.json) apply on
         top of SamplingParams' own defaults.
         """
+        if "generate" not in self.info.tasks:
+            raise ValueError(
+                f"{self.info.name} is an embedding model (runner 'pooling'): it does not "
+                "generate text; call embed() (LLM.embed, PagedEmbeddings, /v1/embeddings)"
+            )
         if params is None:
             params = SamplingParams(**self.info.generation_defaults)
         if not isinstance(params, SamplingParams):
@@ -128,6 +135,22 @@ class InputProcessor:
         return RequestGroup(
             request_id, text, token_ids, params, children, now, sent=[(0, 0)] * params.n
         )
+
+    def process_embedding_inputs(
+        self,
+        prompt: PromptType,
+        params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestGroup:
+        """Tokenize and validate one embedding request (any thread); ValueError when bad."""
+        return make_embedding_group(self.tokenizer, self.info, prompt, params, request_id, priority)
+
+    def process_embedding_batch(
+        self, prompts: list[PromptType], params: PoolingParams | None = None, priority: int = 0
+    ) -> list[RequestGroup]:
+        """Many embedding requests, texts tokenized together; ValueError naming a bad one."""
+        return make_embedding_groups(self.tokenizer, self.info, prompts, params, priority)
 
     @staticmethod
     def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -84,6 +84,8 @@ class KVCacheManager:
         """The longest cached prefix of a request that holds no blocks: (blocks, tokens)."""
         if not self.enable_caching:
             return [], 0
+        if request.pooling is not None and not request.pooling.reads_prefix_cache:
+            return [], 0  # mean / CLS pooling needs the hidden state of every prompt row
         max_hit_tokens = request.num_tokens - 1
         self._update_block_hashes(request, max_hit_tokens)
         hits: list[KVCacheBlock] = []

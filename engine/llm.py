@@ -12,7 +12,8 @@ from .async_engine import RequestStream
 from .client import PromptType
 from .config import EngineConfig
 from .factory import create_engine
-from .outputs import RequestOutput
+from .outputs import EmbeddingRequestOutput, RequestOutput
+from .pooling import PoolingParams
 from .sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -85,6 +86,23 @@ class LLM:
             if output.error is not None:
                 raise RuntimeError(f"request {output.request_id} failed: {output.error}")
         return ordered
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs[i].outputs.embedding`, as vLLM's), batched by
+        the engine. A prompt is a string, a list of token ids, or a dict with `prompt` or
+        `prompt_token_ids`. All are validated before any is submitted: an input longer
+        than max_model_len is a ValueError unless pooling_params says truncate=True."""
+        prompt_list = _as_prompt_list(prompts)
+        with tqdm(total=len(prompt_list), desc="embed", disable=not use_tqdm, unit="req") as bar:
+            outputs = self.engine.embed_sync(prompt_list, pooling_params)
+            bar.update(len(outputs))
+        return outputs
 
     def chat(
         self,

@@ -34,12 +34,15 @@ from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
 from .outputs import RequestOutput
+from .pooling import read_pooler_config
+from .pooling_step import finish_pooled, model_tasks
 from .request import Request, RequestStatus
 from .row_faults import sample_rows
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode.ngram import NgramProposer
 from .spec_decode.verifier import DraftVerifier
+from .step_budget import step_budget
 from .tool_formats import ToolCallFormat
 
 logger = logging.getLogger(__name__)
@@ -48,14 +51,6 @@ __all__ = ["LLMEngine", "PromptType", "RequestGroup"]
 
 _DEFAULT_CPU_KV_BYTES = 1 * GiB
 _DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-def _default_batched_tokens(device: torch.device) -> int:
-    """Tokens per step with chunked prefill when the user sets none. On a CPU, 512: the
-    packed linears run as fast at 512 rows as at 2048 (the int8 kernels reach their rate by
-    ~256 rows), and a step's activations are a quarter as large (a 64-sequence job's peak
-    memory measured 143 MiB lower at 512 than at 2048). On a GPU, 2048."""
-    return 2048 if device.type == "cuda" else 512
 
 
 class LLMEngine:
@@ -68,6 +63,9 @@ class LLMEngine:
         self.model_folder = source.folder
         hf_config = read_config(source.folder)
         self.model_config = ModelConfig.from_hf_dict(hf_config)
+        self.pooler = read_pooler_config(
+            source.folder, hf_config, self.model_config.causal, config.pooler_config
+        )
         self.plan = choose_plan(
             self.device,
             config.dtype,
@@ -102,18 +100,8 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
 
         block_size = config.block_size
-        if config.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = config.max_num_batched_tokens
-        else:
-            self.max_num_batched_tokens = (
-                _default_batched_tokens(self.device) if config.enable_chunked_prefill
-                else self.max_model_len
-            )  # fmt: skip
-        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({self.max_model_len}) so every prompt fits in a step"
-            )
+        encoder = not self.model_config.causal
+        self.max_num_batched_tokens = step_budget(config, self.device, self.max_model_len, encoder)
         self.num_blocks = self._determine_num_blocks(block_size)
         bytes_per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
         num_swap_blocks = int(config.swap_space * GiB) // bytes_per_block
@@ -130,6 +118,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             num_swap_blocks=num_swap_blocks,
             proposer=NgramProposer(config.speculation) if config.speculation else None,
+            encoder_only=encoder,
         )
         self.executor.allocate(self.num_blocks, block_size, num_swap_blocks)
         self.disk_cache: DiskPrefixCache | None = None
@@ -163,9 +152,14 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             block_size=block_size,
             generation_defaults=dict(self.generation_defaults),
+            tasks=model_tasks(config.runner, encoder, config.tensor_parallel_size),
+            embedding_size=self.model_config.hidden_size,
+            pooler=self.pooler,
         )
         self.inputs = InputProcessor(config, self.tokenizer, self.info, self.device)
         self.load_time = time.perf_counter() - started
+        if encoder:
+            logger.info("%s is an embedding model: %s", self.model_name, self.pooler.describe())
         logger.info(
             "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), "
             "max_model_len %d",
@@ -203,8 +197,13 @@ class LLMEngine:
         capped at _DEFAULT_MAX_MODEL_LEN_CAP."""
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:
-            return min(limit, model_default or _DEFAULT_MAX_MODEL_LEN_CAP)
-        if self.config.max_model_len > limit and not self.model_config.rope_scaling:
+            # sentence-transformers' max_seq_length: the length the model was tuned for
+            # (all-MiniLM-L6-v2: 256 of its 512 positions).
+            trained = self.pooler.max_seq_length if not self.model_config.causal else None
+            return min(limit, trained or limit, model_default or _DEFAULT_MAX_MODEL_LEN_CAP)
+        if self.config.max_model_len > limit and (
+            not self.model_config.rope_scaling or not self.model_config.causal
+        ):
             raise ContextLengthError(self.config.max_model_len, limit)
         return self.config.max_model_len
 
@@ -238,6 +237,8 @@ class LLMEngine:
 
     def _determine_num_blocks(self, block_size: int) -> int:
         per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
+        if not self.model_config.causal:
+            return 1  # an encoder keeps nothing between steps (the pool needs one block)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -311,7 +312,7 @@ class LLMEngine:
         tokens: list[list[int]] = [[] for _ in out.scheduled]
         logprobs: list[list] = [[] for _ in out.scheduled]
         try:
-            logits, sampled_rows = self.executor.execute(out, block_ids)
+            logits, sampled_rows, pooled = self.executor.execute(out, block_ids)
             failed = self._sample(
                 out, logits, sampled_rows, tokens, logprobs, iteration, recompute_logits
             )
@@ -329,6 +330,8 @@ class LLMEngine:
         update = self.scheduler.update_from_output(out, tokens, logprobs, iteration)
         for request, message in update.failed:
             self._fail(request, message, touched)
+        if out.num_pooling:
+            update.changed.extend(finish_pooled(out, pooled, self.scheduler, iteration))
         for request in update.changed:
             group = self.groups.get(request.parent_id or request.request_id)
             if group is not None:
@@ -417,7 +420,7 @@ class LLMEngine:
             touched[group.request_id] = group
 
     # ----------------------------------------------------------------- outputs
-    def _make_output(self, group: RequestGroup) -> RequestOutput | None:
+    def _make_output(self, group: RequestGroup) -> Any:
         return make_request_output(group)
 
     def _record_finished(self, group: RequestGroup, iteration: IterationStats) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from .attention_metadata import AttentionMetadata
 from .models.causal_lm import CausalLM
+from .pooling import PooledParts, pool_step
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class ModelRunner:
         slot_mapping = np.empty(num_tokens, dtype=np.int64)
         cu_seqlens = np.zeros(len(scheduled) + 1, dtype=np.int32)
         seq_lens = np.empty(len(scheduled), dtype=np.int32)
-        max_blocks = max(len(b) for b in block_ids)
+        max_blocks = max((len(b) for b in block_ids), default=0)
         block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         sampled_rows: list[int] = []
         logit_rows: list[int] = []
@@ -194,12 +195,15 @@ class ModelRunner:
                 input_ids[offset + known : end] = item.draft_token_ids
             pos = np.arange(start, start + n)
             positions[offset:end] = pos
-            table = np.asarray(blocks, dtype=np.int64)
-            block_tables[i, : len(blocks)] = table
-            slot_mapping[offset:end] = table[pos // bs] * bs + pos % bs
+            if blocks:
+                table = np.asarray(blocks, dtype=np.int64)
+                block_tables[i, : len(blocks)] = table
+                slot_mapping[offset:end] = table[pos // bs] * bs + pos % bs
+            else:  # an encoder's prompt: nothing is cached
+                slot_mapping[offset:end] = -1
             seq_lens[i] = start + n
             cu_seqlens[i + 1] = end
-            if item.completes_prompt:
+            if item.completes_prompt and item.request.pooling is None:
                 sampled_rows.append(i)
                 logit_rows.extend(range(end - 1 - num_drafts, end))
             offset = end
@@ -226,11 +230,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Run one step; returns logits [N, vocab] (float32) and the rows they belong to."""
+    ) -> tuple[torch.Tensor, list[int], PooledParts]:
+        """Run one step; returns logits [N, vocab] (float32), the rows they belong to, and
+        what the step's rows add to each embedding request (engine/pooling.py)."""
         self.swap(out.swap_out, out.swap_in)
         input_ids, positions, meta, logits_indices, sampled_rows = self.prepare(out, block_ids)
-        return self.forward(input_ids, positions, meta, logits_indices), sampled_rows
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        pooled = pool_step(hidden, out.scheduled) if out.num_pooling else {}
+        return self.logits(hidden, logits_indices), sampled_rows, pooled
 
     def forward(
         self,
@@ -241,6 +248,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model over one flat batch: logits [N, vocab] float32 (None: no logits, [0, V])."""
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.logits(hidden, logits_indices)
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """hidden [T, hidden] -> logits [N, vocab] float32 of the rows that sample."""
         if logits_indices is None or logits_indices.numel() == 0:
             # A step of prompt chunks only samples nothing (and the fast path's linear
             # kernels take at least one row).

@@ -10,7 +10,13 @@ import time
 from dataclasses import dataclass, field
 
 from .metrics import FinishedRequestStats
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from .request import Request
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,10 +40,12 @@ class RequestGroup:
         return all(child.is_finished for child in self.children)
 
 
-def make_request_output(group: RequestGroup) -> RequestOutput | None:
+def make_request_output(group: RequestGroup) -> RequestOutput | EmbeddingRequestOutput | None:
     """The output to hand the caller now: cumulative, the delta since the last one, or
     nothing (FINAL_ONLY before the end). Updates what DELTA outputs have sent."""
     finished = group.finished
+    if group.children[0].pooling is not None:
+        return _embedding_output(group) if finished else None
     kind = group.params.output_kind
     if kind == RequestOutputKind.FINAL_ONLY and not finished:
         return None
@@ -101,3 +109,23 @@ def finished_request_stats(group: RequestGroup) -> list[FinishedRequestStats]:
         )
         for child in group.children
     ]
+
+
+def _embedding_output(group: RequestGroup) -> EmbeddingRequestOutput:
+    request = group.children[0]
+    assert request.pooling is not None
+    vector = request.pooling.result
+    return EmbeddingRequestOutput(
+        request_id=group.request_id,
+        prompt=group.prompt,
+        prompt_token_ids=group.prompt_token_ids,
+        outputs=EmbeddingOutput(vector) if vector is not None else None,
+        finished=True,
+        metrics=RequestMetrics(
+            arrival_time=group.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            finished_time=time.monotonic(),
+        ),
+        error=group.error,
+        finish_reason=request.status.finish_reason,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -60,3 +61,33 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding: `data` float32 [dimensions] (normalized where the model or
+    the request says), `embedding` the same as a list (vLLM's EmbeddingOutput)."""
+
+    data: Any  # torch.Tensor
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.data.shape[0])
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """The result of an embedding request, shaped like vLLM's: `outputs.embedding`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None  # None when it failed or was aborted
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    finish_reason: str | None = None  # "stop" (embedded), "abort" or "error"

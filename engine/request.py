@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from .detokenizer import IncrementalDetokenizer
+    from .pooling import PoolingState
 
 # What the sampler reports per sampled token when logprobs are asked for:
 # (the token's logprob, its rank, the top-k ids, the top-k logprobs).
@@ -87,6 +88,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     structured: Any = None  # a grammar matcher when the request is constrained
     draft_index: Any = None  # speculative decoding: the n-gram index of its tokens
+    # An embedding request (engine/pooling.py): its pooled rows so far; no tokens are sampled.
+    pooling: PoolingState | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

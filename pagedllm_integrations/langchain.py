@@ -45,6 +45,7 @@ from .engine.config import EngineConfig
 from .engine.output_processor import RequestGroup
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams
+from .langchain_embeddings import PagedEmbeddings
 from .langchain_support import PROVIDER, split_call_kwargs
 from .owner import EngineOwner, build_engine_config
 from .peer_settings import peer_settings_validator
@@ -52,7 +53,7 @@ from .peer_tables import LLM_PEERS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChatPagedLLM", "PagedLLM"]
+__all__ = ["ChatPagedLLM", "PagedEmbeddings", "PagedLLM"]
 
 
 @dataclass(slots=True)

@@ -71,6 +71,7 @@ from .llama_index_convert import (
     to_openai_messages,
     tool_selections,
 )
+from .llama_index_embeddings import PagedEmbedding
 from .owner import EngineOwner, display_model_name
 from .peer_settings import peer_settings_validator
 from .peer_tables import LLAMA_INDEX_PEERS
@@ -82,7 +83,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 dispatcher = instrument.get_dispatcher(__name__)
 
-__all__ = ["PagedLlamaIndexLLM", "to_openai_messages"]
+__all__ = ["PagedEmbedding", "PagedLlamaIndexLLM", "to_openai_messages"]
 
 # Per-call keyword arguments that are ours rather than sampling parameters.
 _CALL_KWARGS = {

@@ -255,8 +255,9 @@ class TensorParallelExecutor:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Run one step on every rank; returns logits [N, vocab] (float32) and their rows."""
+    ) -> tuple[torch.Tensor, list[int], dict]:
+        """Run one step on every rank; returns logits [N, vocab] (float32) and their rows
+        (and no pooled parts: embedding requests are refused under tensor parallelism)."""
         self._check_alive()
         runner = self.runner
         assert runner is not None, "allocate() the KV cache before the first step"
@@ -276,7 +277,7 @@ class TensorParallelExecutor:
             runner.swap(out.swap_out, out.swap_in)
             return runner.forward(input_ids, positions, meta, logits_indices)
 
-        return self._guarded(run), sampled_rows
+        return self._guarded(run), sampled_rows, {}
 
     def _guarded(self, run):
         """Run a collective section; any failure in it leaves the ranks out of step: the

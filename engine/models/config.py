@@ -59,6 +59,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: list[bool] | None = None  # layer i runs experts (else a dense MLP)
+    # Encoders (BERT): bidirectional attention over the whole prompt in one step, no KV
+    # cache, no LM head; rms_norm_eps holds their LayerNorm epsilon.
+    causal: bool = True
+    type_vocab_size: int = 0  # BERT's token-type (segment) embeddings
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .backend import Backend
+from .bert import BERT_ARCHITECTURES, BertEncoder, parse_bert_config
 from .causal_lm import CausalLM
 from .config import ModelConfig, hf_architecture
 from .gemma import (
@@ -33,7 +34,7 @@ from .qwen3_moe import Qwen3MoeForCausalLM, parse_qwen3_moe_config
 @dataclass(frozen=True, slots=True)
 class ModelFamily:
     parse_config: Callable[[dict[str, Any]], ModelConfig]
-    model_class: type[CausalLM]
+    model_class: type[CausalLM] | type[BertEncoder]
 
 
 _FAMILIES: dict[str, ModelFamily] = {
@@ -47,6 +48,8 @@ _FAMILIES: dict[str, ModelFamily] = {
         parse_gemma3_config, Gemma3ForConditionalGeneration
     ),
     "Phi3ForCausalLM": ModelFamily(parse_phi3_config, Phi3ForCausalLM),
+    # Encoders: embedding models only (ModelConfig.causal is False).
+    **{arch: ModelFamily(parse_bert_config, BertEncoder) for arch in BERT_ARCHITECTURES},
 }
 
 

@@ -23,6 +23,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .connections import ConnectionLimits
 from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
+from .embeddings import EmbeddingRequest, create_embedding, embedding_route
 from .errors import APIError, GuardedRoute, install_error_handlers
 from .guard import GuardMiddleware
 from .metrics import PrometheusStatLogger
@@ -49,6 +50,8 @@ def create_app(
     health_stall_timeout: float = DEFAULT_STALL_SECONDS,
     connection_limits: ConnectionLimits | None = None,
     allow_unknown_fields: bool = False,
+    embedding_engine: EngineClient | None = None,
+    embedding_model_name: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`.
 
@@ -66,6 +69,8 @@ def create_app(
     allow_unknown_fields: accept (and ignore) request fields no known server defines;
         by default they are a 400 naming them. Known fields pagedllm cannot honour are
         always a 400.
+    embedding_engine: the engine behind /v1/embeddings (its name: embedding_model_name);
+        None: `engine` itself where it embeds (server/embeddings.py).
     """
     if max_queue_len is not None and max_queue_len < 1:
         raise ValueError(f"max_queue_len must be >= 1 (or None for no limit), got {max_queue_len}")
@@ -114,26 +119,48 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(state, body, request)
 
-    def model_card() -> dict:
+    embeddings = embedding_route(state, engine, embedding_engine, embedding_model_name)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        if embeddings is None:
+            raise APIError(
+                400, f"{model_name} does not serve embeddings; start the server with "
+                "--embedding-model to serve an embedding model beside it", param="model",
+            )  # fmt: skip
+        return await create_embedding(embeddings, body, request)
+
+    def served() -> list[tuple[str, EngineClient]]:
+        """(name, engine) of every model this server answers for."""
+        models = [(model_name, engine)]
+        if embeddings is not None and embeddings.engine is not engine:
+            models.append((embeddings.model_name, embeddings.engine))
+        return models
+
+    def model_card(name: str, client: EngineClient) -> dict:
         return {
-            "id": model_name,
+            "id": name,
             "object": "model",
             "created": state.created,
             "owned_by": "pagedllm",
-            "root": engine.model_name,
+            "root": client.model_name,
             "parent": None,
-            "max_model_len": engine.max_model_len,
+            "max_model_len": client.max_model_len,
         }
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        cards = [model_card(name, client) for name, client in served()]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> JSONResponse:
         # As OpenAI's: the model object, or 404 with code model_not_found.
-        state.check_model(model_id)
-        return JSONResponse(model_card())
+        for name, client in served():
+            if model_id in (name, client.model_name):
+                return JSONResponse(model_card(name, client))
+        state.check_model(model_id)  # raises: no such model
+        return JSONResponse(model_card(model_name, engine))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -101,6 +101,24 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         help="no periodic status line (the engine logs one every 5 s while busy)",
     )
     parser.add_argument("--uvicorn-log-level", default="warning")
+    parser.add_argument(
+        "--embedding-model",
+        default=None,
+        help="an embedding model served by /v1/embeddings beside --model (a folder, hub id "
+        "or GGUF file; its own engine, default settings)",
+    )
+    parser.add_argument(
+        "--embedding-served-model-name",
+        default=None,
+        help="the name clients pass as `model` to /v1/embeddings",
+    )
+    parser.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="pooling: serve --model as an embedding model only (/v1/embeddings); an "
+        "encoder (BERT) is one under auto too",
+    )
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,11 +198,28 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             disable_log_stats=args.disable_log_stats,
             scheduling_policy=args.scheduling_policy,
+            runner=args.runner,
         )
+        embedding_config = None
+        if args.embedding_model is not None:
+            embedding_config = EngineConfig.from_kwargs(
+                model=args.embedding_model,
+                device=args.device,
+                served_model_name=args.embedding_served_model_name,
+                disable_log_stats=args.disable_log_stats,
+            )
         engine = create_engine(config)
     except ValueError as error:
         print(f"pagedllm serve: {error}", file=sys.stderr)
         return 2
+    embedding_engine = None
+    if embedding_config is not None:
+        try:
+            embedding_engine = create_engine(embedding_config)
+        except ValueError as error:
+            engine.shutdown()
+            print(f"pagedllm serve: --embedding-model: {error}", file=sys.stderr)
+            return 2
     try:
         app = create_app(
             engine,
@@ -197,10 +232,14 @@ def run(args: argparse.Namespace) -> int:
             health_stall_timeout=args.health_stall_timeout,
             connection_limits=limits,
             allow_unknown_fields=args.allow_unknown_fields,
+            embedding_engine=embedding_engine,
+            embedding_model_name=args.embedding_served_model_name,
         )
         config = server_config(app, args.host, args.port, args.uvicorn_log_level)
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, args.host, args.port)
         GracefulServer(config, shutdown_timeout=args.shutdown_timeout).run()
     finally:
         engine.shutdown()
+        if embedding_engine is not None:
+            embedding_engine.shutdown()
     return 0
