@@ -127,6 +127,35 @@ def test_a_2mb_enum_gets_its_400_and_its_compile_ends_there(engine, server, http
     assert wait_for(lambda: all_free(engine))
 
 
+def test_a_dead_compiler_process_is_a_503_not_the_clients_400(engine, server, http):
+    """The compiler process dies while a request's constraint compiles: the server's fault,
+    answered 503 (retry), not 400 (your schema); the next constraint compiles in a new one."""
+    import os
+    import signal
+
+    from compiler_processes import SLOW_REGEX
+
+    manager = engine._inputs.structured_outputs
+    http.post(CHAT, json=schema_body({"type": "boolean"}))  # the compiler process is up
+    outcome: dict = {}
+    body = {"messages": USER, "max_tokens": 4, "structured_outputs": {"regex": SLOW_REGEX}}
+
+    def send() -> None:
+        outcome["response"] = httpx.post(server.url + CHAT, json=body, timeout=600)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert wait_for(lambda: len(compile_children(manager.service)) >= 1)
+    os.kill(manager.service.pid, signal.SIGKILL)
+    thread.join()
+    response = outcome["response"]
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "compiler_unavailable"
+    schema = {"type": "object", "properties": {"after": {"type": "integer"}}}
+    assert http.post(CHAT, json=schema_body(schema)).status_code == 200
+    assert wait_for(lambda: all_free(engine))
+
+
 def resident_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / (1 << 20)

@@ -34,6 +34,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.structured_outputs import (
     DEFAULT_COMPILE_TIMEOUT_S,
     CompileCancelledError,
+    CompilerUnavailableError,
     compile_limits,
 )
 from .errors import APIError
@@ -196,6 +197,14 @@ class ServerState:
             )
         except (ValueError, CompileCancelledError):
             raise
+        except CompilerUnavailableError as error:
+            # The server's compiler process is down (it restarts on the next compile): not
+            # the client's schema, so not a 400.
+            logger.warning("the grammar compiler is unavailable: %s", error)
+            raise APIError(
+                503, "the structured-output compiler is restarting; retry the request",
+                code="compiler_unavailable",
+            ) from error  # fmt: skip
         except Exception as error:
             # Compiling a client's schema or grammar can fail in the grammar library with
             # its own exception types; the schema came from the client, so it is a 400.
