@@ -285,7 +285,7 @@ def main() -> int:
     # 16 blocks of 16, no preemption. (Sessions before 2026-12-02 gave pagedllm a block
     # per sequence more, 22.5 MiB at 64 sequences.)
     facts = model_facts(gguf)
-    tokens = max(max(args.npl) * (PROMPT + GEN), args.prefill + 16)
+    tokens = max(max(args.npl) * (PROMPT + GEN), _max_model_len(args))
     kv_bytes = tokens * facts["kv_bytes_per_token"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
