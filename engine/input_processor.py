@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .client import ModelInfo, PromptType
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .embedding_inputs import make_embedding_group, make_embedding_groups
+from .model_info import ModelInfo, PromptType
 from .output_processor import RequestGroup
 from .pooling import PoolingParams
 from .request import Request

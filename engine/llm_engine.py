@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from .client import ModelInfo, PromptType
 from .compute_plan import choose_plan
 from .config import ContextLengthError, EngineConfig, GiB
 from .disk_prefix_cache import DiskPrefixCache
@@ -28,6 +27,7 @@ from .generation_config import generation_defaults, read_generation_config
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
+from .model_info import ModelInfo, PromptType
 from .model_loader import load_tokenizer, read_config, resolve_model
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
@@ -232,7 +232,9 @@ class LLMEngine:
             from ..quant.awq_linear import awq_linear_factory
 
             kernel = "packed" if self.plan.fused_cpu else "auto"
-            return awq_linear_factory(hf_config["quantization_config"], folder, kernel)
+            return awq_linear_factory(
+                hf_config["quantization_config"], folder, kernel, dense_linear=dense_linear
+            )
         raise ValueError(f"unsupported quantization method {method!r} (pagedllm runs AWQ)")
 
     def _determine_num_blocks(self, block_size: int) -> int:

@@ -20,16 +20,21 @@ from __future__ import annotations
 import glob
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..engine.models.layers import LinearFactory, StackedLinear
 from .awq_format import PACK, AWQConfig, dequantize, parse_awq_config, unpack_int4
 
 logger = logging.getLogger(__name__)
+
+# The linear factory's signature (engine/models/layers.py, LinearFactory): (in_features,
+# output_sizes, bias, prefixes, dtype, device) -> module. The models' layer sits above this
+# one, so its name is not imported here.
+LinearFactory = Callable[..., nn.Module]
 
 _NATIVE_GROUP_SIZES = (32, 64, 128, 256)
 # torch's int4 CPU matmul is fast (AVX512) for bf16 activations only; in fp32 it is a slow
@@ -309,9 +314,16 @@ _FUSED_CHECKPOINT_NAMES = {
 
 
 def awq_linear_factory(
-    quant_config: dict[str, Any], folder: Path, cpu_kernel: str = "auto"
+    quant_config: dict[str, Any],
+    folder: Path,
+    cpu_kernel: str = "auto",
+    *,
+    dense_linear: LinearFactory,
 ) -> LinearFactory:
     """The engine's LinearFactory for an AutoAWQ gemm checkpoint in `folder`.
+
+    `dense_linear`: the factory of the linears the checkpoint holds unquantized off the fast
+    path (the models' `dense_linear`, handed in by the engine that builds the backend).
 
     A module is quantized iff `<prefix>.qweight` is in the checkpoint, which covers
     modules_to_not_convert whatever matching rule the writer used.
@@ -339,23 +351,23 @@ def awq_linear_factory(
         quantized = [is_quantized(prefix) for prefix in prefixes]
         group = config.group_size_for(in_features)
 
-        def dense(sizes: list[int]) -> nn.Module:
+        def dense(sizes: list[int], names: list[str]) -> nn.Module:
             if cpu_kernel == "packed":  # the fast path holds unquantized shards in bf16
                 from .packed_linear import PackedStackedLinear
 
                 return PackedStackedLinear(in_features, sizes, bias)
-            return StackedLinear(in_features, sizes, bias, dtype, device)
+            return dense_linear(in_features, sizes, bias, names, dtype, device)
 
         if all(quantized):
             return AWQLinear(in_features, output_sizes, bias, group, dtype, device, cpu_kernel)
         if not any(quantized):
-            return dense(output_sizes)
+            return dense(output_sizes, prefixes)
         logger.info("mixed AWQ / dense stack %s", prefixes)
         parts: list[nn.Module] = [
             AWQLinear(in_features, [size], bias, group, dtype, device, cpu_kernel)
             if is_q
-            else dense([size])
-            for size, is_q in zip(output_sizes, quantized)
+            else dense([size], [prefix])
+            for size, prefix, is_q in zip(output_sizes, prefixes, quantized)
         ]
         return MixedStackedLinear(parts)
 

@@ -34,6 +34,9 @@ from .awq_search import apply_clip, apply_scales, sample_tokens, search_clip, se
 
 logger = logging.getLogger(__name__)
 
+# The default calibration text of `pagedllm quantize` (installed with this package).
+DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
+
 LINEAR_NAMES = (
     "self_attn.q_proj",
     "self_attn.k_proj",

@@ -82,7 +82,7 @@ def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
 
 def _dense(tensor: Any) -> torch.Tensor:
     """GGUF blocks are dequantized before slicing (ranks run the float path)."""
-    from ..gguf_loader import as_dense
+    from ..models.layers import as_dense
 
     return as_dense(tensor, torch.float32) if not isinstance(tensor, torch.Tensor) else tensor
 
@@ -174,5 +174,7 @@ def base_linear_factory(hf_config: dict[str, Any], folder: Path) -> LinearFactor
     if method == "awq":
         from ...quant.awq_linear import awq_linear_factory
 
-        return awq_linear_factory(hf_config["quantization_config"], folder)
+        return awq_linear_factory(
+            hf_config["quantization_config"], folder, dense_linear=dense_linear
+        )
     return dense_linear

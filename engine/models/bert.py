@@ -25,10 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-from ..gguf_loader import as_dense
 from .backend import Backend, torch_backend
 from .config import ModelConfig, common_fields
-from .layers import LinearFactory
+from .layers import LinearFactory, as_dense
 from .split_work import SplitWork
 
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
