@@ -61,12 +61,6 @@ class EngineClient(ABC):
         return self._inputs.info.name
 
     @property
-    def tool_format(self) -> Any:
-        """The tool-call markup this model was trained on (engine/tool_formats.py): what
-        the chat layer renders tools in, forces calls in and parses calls from."""
-        return self._inputs.tool_format
-
-    @property
     def max_model_len(self) -> int:
         return self._inputs.info.max_model_len
 

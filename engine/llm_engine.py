@@ -43,7 +43,6 @@ from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode.ngram import NgramProposer
 from .spec_decode.verifier import DraftVerifier
 from .step_budget import step_budget
-from .tool_formats import ToolCallFormat
 
 logger = logging.getLogger(__name__)
 
@@ -458,11 +457,6 @@ class LLMEngine:
         if self.disk_cache is None:
             raise ValueError("save_prefix needs a prefix-cache directory: set prefix_cache_dir")
         return self.disk_cache.save_when_computed(request)
-
-    @property
-    def tool_format(self) -> ToolCallFormat:
-        """The tool-call markup this model was trained on (see `InputProcessor.tool_format`)."""
-        return self.inputs.tool_format
 
     def shutdown(self) -> None:
         """Release the model: the tensor-parallel ranks, the weights and the KV cache.
