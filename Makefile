@@ -39,9 +39,11 @@ wheel: install
 demo: install
 	$(BIN)/python examples/rag_langchain.py
 
+# The import contracts (.importlinter) run over the package laid out as it installs.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -P tools/lint_package.py
 	$(BIN)/mypy pagedllm_integrations
 
 test: install lint
