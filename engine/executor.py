@@ -31,6 +31,7 @@ from .config import EngineConfig
 from .model_loader import iter_weights
 from .model_runner import ModelRunner, profile_kv_blocks
 from .models.backend import backend_for
+from .models.causal_lm import CausalLM
 from .models.config import ModelConfig
 from .models.layers import LinearFactory, TableKernels
 from .models.registry import build_model
@@ -73,7 +74,7 @@ class LocalExecutor:
     """The whole model in this process, run eagerly by one ModelRunner."""
 
     def __init__(
-        self, model: nn.Module, device: torch.device, config: EngineConfig, plan: ComputePlan
+        self, model: CausalLM, device: torch.device, config: EngineConfig, plan: ComputePlan
     ):
         self.model = model
         self.device = device

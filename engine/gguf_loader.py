@@ -167,7 +167,8 @@ def _tensor_facts(gguf_file: GGUFFile) -> dict[str, Any]:
     for tensor in gguf_file.tensors:
         facts[tensor.name] = {"shape": [int(d) for d in reversed(tensor.shape)]}
         if tensor.name.startswith(("rope_factors_", "rope_freqs")):
-            facts[tensor.name]["values"] = [float(v) for v in _tensor_value(tensor).reshape(-1)]
+            factors = _tensor_value(tensor)  # float32 in every file: a torch tensor
+            facts[tensor.name]["values"] = [float(v) for v in factors.reshape(-1)]  # type: ignore[union-attr]
     return facts
 
 
@@ -251,7 +252,7 @@ def read_gguf(path: Path) -> GGUFFile:
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     raw = np.frombuffer(mapping, dtype=np.uint8)
-    buffer = memoryview(raw)
+    buffer = memoryview(raw)  # type: ignore[arg-type]  # numpy: a buffer
     offset = 0
 
     def take(fmt: str):

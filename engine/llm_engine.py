@@ -355,7 +355,7 @@ class LLMEngine:
             return self._sample_plain(logits, sampled_rows, out, tokens, logprobs, recompute_logits)
         # Rows of requests without drafts go through the sampler as in any step; requests
         # with drafts through the verifier.
-        plain_rows, plain, drafting_rows, drafting = [], [], [], []
+        plain_rows, plain, drafting_rows, drafting = [], [], [], []  # type: ignore[var-annotated]
         row = 0
         for index in sampled_rows:
             num_rows = 1 + len(out.scheduled[index].draft_token_ids)

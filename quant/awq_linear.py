@@ -60,6 +60,13 @@ class AWQLinear(nn.Module):
     for decode (up to _NATIVE_FP32_MAX_TOKENS tokens).
     """
 
+    # Buffers (register_buffer), named here for the type checker. The AWQ tensors are set
+    # to None once repacked for a CPU kernel (`_released`), and only read before that.
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         in_features: int,
@@ -141,9 +148,7 @@ class AWQLinear(nn.Module):
                     .compact()
                     .tiled()
                 )
-                self.qweight = None
-                self.qzeros = None
-                self.scales = None
+                self._release_awq_tensors()
                 if self.bias is not None:
                     self.bias = self.bias.float()
 
@@ -169,9 +174,13 @@ class AWQLinear(nn.Module):
             # copies are not needed any more. float32 models keep them for the exact tiles
             # path (prefill) and use the native kernel in float32 for decode only.
             self._scales_zeros = self._scales_zeros.to(torch.bfloat16)
-            self.qweight = None
-            self.qzeros = None
-            self.scales = None
+            self._release_awq_tensors()
+
+    def _release_awq_tensors(self) -> None:
+        """Drop the AWQ copies once a CPU kernel holds the weight in its own layout."""
+        self.qweight = None  # type: ignore[assignment]  # never read after the repack
+        self.qzeros = None  # type: ignore[assignment]
+        self.scales = None  # type: ignore[assignment]
 
     def weight_bytes(self) -> int:
         """Bytes held for the weight (packed codes, zeros, scales, bias)."""
@@ -197,7 +206,8 @@ class AWQLinear(nn.Module):
         elif self._int4pack is not None and (
             self.qweight is None or x.shape[0] <= _NATIVE_FP32_MAX_TOKENS
         ):
-            compute = self._scales_zeros.dtype  # bf16 for bf16/fp16 models, else float32
+            # bf16 for bf16/fp16 models, else float32; set with _int4pack
+            compute = self._scales_zeros.dtype  # type: ignore[union-attr]
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(compute), self._int4pack, self.group_size, self._scales_zeros
             ).to(x.dtype)
@@ -250,7 +260,7 @@ class MixedStackedLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
 
     def load(self, suffix: str, tensor: torch.Tensor, shard: int) -> None:
-        self.parts[shard].load(suffix, tensor, 0)
+        self.parts[shard].load(suffix, tensor, 0)  # type: ignore[operator]  # every part loads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
@@ -267,7 +277,10 @@ class MixedStackedLinear(nn.Module):
             biases.append(found[1])
         if all(b is None for b in biases):
             return segments, None
-        sizes = [sum(int(w.shape[0]) for w in part.kernel_segments()[0]) for part in self.parts]
+        sizes = [
+            sum(int(w.shape[0]) for w in part.kernel_segments()[0])  # type: ignore[operator,misc]
+            for part in self.parts  # (each part has kernel_segments: checked above)
+        ]
         bias = torch.cat(
             [b.float() if b is not None else torch.zeros(n) for b, n in zip(biases, sizes)]
         )

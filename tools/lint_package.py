@@ -1,11 +1,11 @@
-"""The import contracts (and mypy) over the package as it installs: `make lint` runs this.
+"""The import contracts and mypy over the package as it installs: `make lint` runs this.
 
 In the checkout, engine/, kernels/ and quant/ sit beside pagedllm_integrations/ and are
 mapped under it only by setup.py's package_dir, so a tool that walks folders sees four
 unconnected trees, and `from ..chat` in engine/ points at nothing. This copies the Python
 files into build/package-tree/pagedllm_integrations/ with the mapped folders inside (the
-layout of the wheel), then runs import-linter's contracts (.importlinter) over that copy.
-Messages name the checkout's files.
+layout of the wheel), then runs import-linter's contracts (.importlinter) and mypy over
+that copy. Messages name the checkout's files.
 
     python -P tools/lint_package.py
 """
@@ -62,11 +62,33 @@ def run_contracts(tree: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=tree, capture_output=True, text=True)
 
 
+def run_mypy(tree: Path) -> subprocess.CompletedProcess[str]:
+    """mypy over the whole staged package, with the checkout's settings and cache."""
+    command = [
+        sys.executable, "-m", "mypy",
+        "--config-file", str(ROOT / "pyproject.toml"),
+        "--cache-dir", str(ROOT / ".mypy_cache"),
+        "-p", PACKAGE,
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=tree, capture_output=True, text=True)
+
+
+def _in_checkout_terms(output: str) -> str:
+    lines = []
+    for line in output.splitlines(keepends=True):
+        path, sep, rest = line.partition(":")
+        lines.append(checkout_path(path) + sep + rest if sep else line)
+    return "".join(lines)
+
+
 def main() -> int:
     stage(TREE)
-    contracts = run_contracts(TREE)
-    sys.stdout.write(contracts.stdout + contracts.stderr)
-    return contracts.returncode
+    failed = 0
+    for check in (run_contracts, run_mypy):
+        result = check(TREE)
+        sys.stdout.write(_in_checkout_terms(result.stdout + result.stderr))
+        failed = failed or result.returncode
+    return failed
 
 
 if __name__ == "__main__":

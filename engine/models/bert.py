@@ -160,8 +160,15 @@ class BertEncoder(nn.Module):
         self.token_type_embeddings = table(max(cfg.type_vocab_size, 1))
         self.embed_norm = nn.LayerNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
 
-        def recording_factory(in_f, sizes, bias, prefixes, dt, dev) -> nn.Module:
-            module = make_linear(in_f, sizes, bias, prefixes, dt, dev)
+        def recording_factory(
+            in_features: int,
+            output_sizes: list[int],
+            bias: bool,
+            prefixes: list[str],
+            dtype: torch.dtype,
+            device: torch.device,
+        ) -> nn.Module:
+            module = make_linear(in_features, output_sizes, bias, prefixes, dtype, device)
             for shard, prefix in enumerate(prefixes):
                 self._linears[prefix] = (module, shard)
             return module
@@ -213,7 +220,11 @@ class BertEncoder(nn.Module):
         }
         for i, layer in enumerate(self.layers):
             prefix = f"encoder.layer.{i}"
-            for norm, name in ((layer.attn_norm, "attention.output"), (layer.out_norm, "output")):
+            norms: list[tuple[Any, str]] = [
+                (layer.attn_norm, "attention.output"),
+                (layer.out_norm, "output"),
+            ]  # nn.LayerNorms (torch types module attributes loosely)
+            for norm, name in norms:
                 plain[f"{prefix}.{name}.LayerNorm.weight"] = norm.weight
                 plain[f"{prefix}.{name}.LayerNorm.bias"] = norm.bias
         return plain

@@ -253,7 +253,11 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_tanh": _gelu_tanh,
+}
 
 
 # --------------------------------------------------------- embedding and head
@@ -320,7 +324,7 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.fused:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight)  # type: ignore[arg-type]  # set unfused
         table = self.fast_weight
         if isinstance(table, torch.Tensor):
             return F.embedding(input_ids, table).to(self.dtype)
@@ -366,7 +370,7 @@ class LMHead(nn.Module):
         a prompt step's layer buffers used, instead of allocating them."""
         table = self.table
         if not self.fused:
-            return F.linear(hidden, table.weight).float()
+            return F.linear(hidden, table.weight).float()  # type: ignore[arg-type]  # set unfused
         weight = table.fast_weight
         rows, vocab = hidden.shape[0], int(weight.shape[0])
         logits = torch.ops.pagedllm.step_workspace(rows * vocab).view(rows, vocab)
