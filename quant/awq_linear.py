@@ -61,7 +61,7 @@ class AWQLinear(nn.Module):
     """
 
     # Buffers (register_buffer), named here for the type checker. The AWQ tensors are set
-    # to None once repacked for a CPU kernel (`_released`), and only read before that.
+    # to None once repacked for a CPU kernel (`_release_awq_tensors`), and only read before.
     qweight: torch.Tensor
     qzeros: torch.Tensor
     scales: torch.Tensor
