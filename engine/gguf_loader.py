@@ -79,7 +79,7 @@ def gguf_to_hf_folder(path: Path, content_id: str | None = None) -> Path:
     instead, and the folder is pointed at this copy of the file."""
     import xxhash
 
-    from ..kernels.isa_levels import cache_dir
+    from ..kernels.cache_dir import cache_dir
 
     stat = path.stat()
     identity = content_id or f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
