@@ -161,13 +161,9 @@ class BertEncoder(nn.Module):
         self.embed_norm = nn.LayerNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
 
         def recording_factory(
-            in_features: int,
-            output_sizes: list[int],
-            bias: bool,
-            prefixes: list[str],
-            dtype: torch.dtype,
-            device: torch.device,
+            in_features, output_sizes, bias, prefixes, dtype, device
         ) -> nn.Module:
+            # (LinearFactory's parameter names, so that it is one to the type checker)
             module = make_linear(in_features, output_sizes, bias, prefixes, dtype, device)
             for shard, prefix in enumerate(prefixes):
                 self._linears[prefix] = (module, shard)
