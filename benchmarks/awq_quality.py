@@ -30,14 +30,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from pagedllm_integrations import LLM, SamplingParams
-from pagedllm_integrations.engine.model_loader import default_model_path, gguf_to_hf_folder
-from pagedllm_integrations.quant.awq_format import AWQConfig
-from pagedllm_integrations.quant.awq_linear import AWQLinear
-from pagedllm_integrations.quant.cli import (
+from pagedllm_integrations.cli_quantize import (
     DEFAULT_CALIBRATION,
     load_float_model,
     read_calibration_text,
 )
+from pagedllm_integrations.engine.model_loader import default_model_path, gguf_to_hf_folder
+from pagedllm_integrations.quant.awq_format import AWQConfig
+from pagedllm_integrations.quant.awq_linear import AWQLinear
 from pagedllm_integrations.quant.quantizer import (
     QuantizeOptions,
     awq_quantize_model,

@@ -119,7 +119,8 @@ def run_pagedllm(engine: AsyncEngine, workload: Workload) -> RunResult:
     engine.remove_stat_logger(watcher)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.output_tokens, (produced, workload.output_tokens)
-    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    # Every finished output carries its metrics.
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]  # type: ignore[union-attr,operator]
     return RunResult(
         "pagedllm",
         workload.name,

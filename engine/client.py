@@ -16,8 +16,9 @@ import asyncio
 import queue
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .model_info import ModelInfo, PromptType
 
 if TYPE_CHECKING:
     from .async_engine import RequestStream
@@ -29,33 +30,10 @@ if TYPE_CHECKING:
     from .pooling import PoolingParams
     from .sampling_params import SamplingParams
 
-PromptType = str | list[int] | dict[str, Any]
 
 # An engine step (or the engine thread) that has not moved for this long while requests
 # wait is reported as wedged by `EngineClient.health`.
 DEFAULT_STALL_SECONDS = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What a front end may know about the served model, without touching it."""
-
-    name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    block_size: int
-    # The Hugging Face architecture (Qwen3ForCausalLM, ...): picks the tool-call format when
-    # the chat template does not say.
-    architecture: str | None = None
-    # Sampling defaults from the model's generation_config.json (vLLM's
-    # `--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty,
-    # max_tokens. Explicit settings always win over them.
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    # What the engine serves: "generate" (text), "embed" (embeddings), or both.
-    tasks: tuple[str, ...] = ("generate",)
-    embedding_size: int = 0  # the length of a full embedding (the hidden size)
-    pooler: Any = None  # engine/pooling.py's PoolerConfig: pooling, normalize, limits
 
 
 class EngineClient(ABC):
@@ -81,12 +59,6 @@ class EngineClient(ABC):
     @property
     def model_name(self) -> str:
         return self._inputs.info.name
-
-    @property
-    def tool_format(self) -> Any:
-        """The tool-call markup this model was trained on (engine/tool_formats.py): what
-        the chat layer renders tools in, forces calls in and parses calls from."""
-        return self._inputs.tool_format
 
     @property
     def max_model_len(self) -> int:

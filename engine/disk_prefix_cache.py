@@ -275,7 +275,7 @@ class DiskPrefixCache:
             except Exception as error:
                 future.set_exception(error)
                 continue
-            written.add_done_callback(lambda done, f=future, t=tokens: _chain(done, f, t))
+            written.add_done_callback(lambda done, f=future, t=tokens: _chain(done, f, t))  # type: ignore[misc]
 
     def save_when_computed(self, request: Request) -> Future:
         """Save `request`'s prompt (see `save`) right after the step that computes it, while

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from .client import ModelInfo, PromptType
+from .model_info import ModelInfo, PromptType
 from .output_processor import RequestGroup
 from .pooling import PoolingParams, PoolingState, check_dimensions
 from .request import Request

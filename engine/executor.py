@@ -31,8 +31,9 @@ from .config import EngineConfig
 from .model_loader import iter_weights
 from .model_runner import ModelRunner, profile_kv_blocks
 from .models.backend import backend_for
+from .models.causal_lm import CausalLM
 from .models.config import ModelConfig
-from .models.layers import LinearFactory
+from .models.layers import LinearFactory, TableKernels
 from .models.registry import build_model
 from .pooling import PooledParts
 from .scheduler import SchedulerOutput
@@ -73,7 +74,7 @@ class LocalExecutor:
     """The whole model in this process, run eagerly by one ModelRunner."""
 
     def __init__(
-        self, model: nn.Module, device: torch.device, config: EngineConfig, plan: ComputePlan
+        self, model: CausalLM, device: torch.device, config: EngineConfig, plan: ComputePlan
     ):
         self.model = model
         self.device = device
@@ -132,6 +133,15 @@ class LocalExecutor:
         pass
 
 
+def _tables(plan: ComputePlan) -> TableKernels | None:
+    """The fast path's embedding-table kernels (a weight format: quant/packed_linear.py)."""
+    if not plan.fused_cpu:
+        return None
+    from ..quant.packed_linear import packed_matmul, table_weight
+
+    return TableKernels(to_kernel=table_weight, matmul=packed_matmul)
+
+
 def build_executor(
     config: EngineConfig,
     folder: Path,
@@ -151,7 +161,7 @@ def build_executor(
             config, str(folder), hf_config, model_config, dtype, device, max_model_len,
             make_linear,
         )  # fmt: skip
-    backend = backend_for(plan.fused_cpu, plan.attention_backend, make_linear)
+    backend = backend_for(plan.fused_cpu, plan.attention_backend, make_linear, _tables(plan))
     model = build_model(model_config, dtype, device, max_model_len, backend)
     model.load_weights(iter_weights(folder))
     return LocalExecutor(model.eval(), device, config, plan)

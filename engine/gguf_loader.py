@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..quant.gguf_tensor import GGUFTensor
+
 logger = logging.getLogger(__name__)
 
 _MARKER = "gguf.json"
@@ -37,40 +39,9 @@ _FOLDER_VERSION = "v3"
 _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
 
 
-@dataclass(slots=True)
-class GGUFTensor:
-    """One quantized GGUF weight [N, K], still in llama.cpp's blocks.
-
-    data: uint8 [N, bytes per row] (a view of the memory-mapped file, rows possibly
-    reordered); type_name: the GGML type (Q4_1, Q4_K, ...).
-    """
-
-    type_name: str
-    data: np.ndarray
-    shape: tuple[int, int]
-
-    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight dequantized (as llama.cpp dequantizes it), as a torch tensor."""
-        from ..quant.gguf_blocks import dequantize_to
-
-        return dequantize_to(self.type_name, self.data, self.shape, dtype)
-
-    def permute_rows(self, order: np.ndarray) -> GGUFTensor:
-        return GGUFTensor(self.type_name, self.data[order], self.shape)
-
-    def rows(self, start: int, stop: int) -> GGUFTensor:
-        """Rows start..stop-1 (one expert of a stacked tensor, one linear of a fused one)."""
-        return GGUFTensor(self.type_name, self.data[start:stop], (stop - start, self.shape[1]))
-
-
-def as_dense(value: torch.Tensor | GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
-    """A checkpoint tensor as a dense torch tensor of `dtype`, whatever form it came in."""
-    if isinstance(value, GGUFTensor):
-        return value.dense(torch.float32).to(dtype)
-    return value.to(dtype)
-
-
 # ------------------------------------------------------------------- the folder
+
+
 def is_gguf_folder(folder: Path) -> bool:
     return (Path(folder) / _MARKER).exists()
 
@@ -108,7 +79,7 @@ def gguf_to_hf_folder(path: Path, content_id: str | None = None) -> Path:
     instead, and the folder is pointed at this copy of the file."""
     import xxhash
 
-    from ..kernels.isa_levels import cache_dir
+    from ..kernels.cache_dir import cache_dir
 
     stat = path.stat()
     identity = content_id or f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
@@ -196,7 +167,8 @@ def _tensor_facts(gguf_file: GGUFFile) -> dict[str, Any]:
     for tensor in gguf_file.tensors:
         facts[tensor.name] = {"shape": [int(d) for d in reversed(tensor.shape)]}
         if tensor.name.startswith(("rope_factors_", "rope_freqs")):
-            facts[tensor.name]["values"] = [float(v) for v in _tensor_value(tensor).reshape(-1)]
+            factors = _tensor_value(tensor)  # float32 in every file: a torch tensor
+            facts[tensor.name]["values"] = [float(v) for v in factors.reshape(-1)]  # type: ignore[union-attr]
     return facts
 
 
@@ -280,7 +252,7 @@ def read_gguf(path: Path) -> GGUFFile:
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     raw = np.frombuffer(mapping, dtype=np.uint8)
-    buffer = memoryview(raw)
+    buffer = memoryview(raw)  # type: ignore[arg-type]  # numpy: a buffer
     offset = 0
 
     def take(fmt: str):

@@ -115,9 +115,9 @@ class GrammarCompileService:
         )
         self._process, self._failed = process, None
         self._ready = threading.Event()
-        self._outbox = outbox = queue.SimpleQueue()
+        self._outbox = outbox = queue.SimpleQueue[tuple[Any, ...]]()
         outbox.put(("init", self._info_json, self.max_concurrent))
-        threads = [
+        threads: list[tuple[Any, tuple[Any, ...], str]] = [
             (self._write_loop, (process, outbox), "writer"),
             (self._read_loop, (process, outbox, self._ready), "reader"),
         ]

@@ -27,7 +27,6 @@ import pickle
 import selectors
 import signal
 import struct
-import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -267,4 +266,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .client import ModelInfo, PromptType
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .embedding_inputs import make_embedding_group, make_embedding_groups
+from .model_info import ModelInfo, PromptType
 from .output_processor import RequestGroup
 from .pooling import PoolingParams
 from .request import Request
@@ -34,17 +34,6 @@ class InputProcessor:
         self.device = device  # where seeded requests' generators live
         self._structured = None
         self._structured_lock = threading.Lock()
-        self._tool_format: Any = None
-
-    @property
-    def tool_format(self) -> Any:
-        """The tool-call format of this model, chosen once from its chat template (else its
-        architecture): see engine/tool_formats.py."""
-        if self._tool_format is None:
-            from .tool_formats import tool_format_for
-
-            self._tool_format = tool_format_for(self.tokenizer, self.info.architecture)
-        return self._tool_format
 
     def process_inputs(
         self,

@@ -118,9 +118,9 @@ class LLM:
 
         `tools` (OpenAI-style) are described in the prompt by the model's template when it
         takes tools, else by pagedllm's tool prompt; read calls back with
-        `engine.tool_calls.parse_tool_calls`.
+        `pagedllm_integrations.chat.tool_calls.parse_tool_calls`.
         """
-        from ..chat.prepare import ChatOptions, prepare_chat  # the layer above the engine
+        from ..chat.prepare import ChatOptions, prepare_chat  # a front end over the chat layer
 
         if not messages:
             raise ValueError("messages is empty")

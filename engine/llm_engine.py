@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from .client import ModelInfo, PromptType
 from .compute_plan import choose_plan
 from .config import ContextLengthError, EngineConfig, GiB
 from .disk_prefix_cache import DiskPrefixCache
@@ -28,6 +27,7 @@ from .generation_config import generation_defaults, read_generation_config
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
+from .model_info import ModelInfo, PromptType
 from .model_loader import load_tokenizer, read_config, resolve_model
 from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
@@ -43,7 +43,6 @@ from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode.ngram import NgramProposer
 from .spec_decode.verifier import DraftVerifier
 from .step_budget import step_budget
-from .tool_formats import ToolCallFormat
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +231,9 @@ class LLMEngine:
             from ..quant.awq_linear import awq_linear_factory
 
             kernel = "packed" if self.plan.fused_cpu else "auto"
-            return awq_linear_factory(hf_config["quantization_config"], folder, kernel)
+            return awq_linear_factory(
+                hf_config["quantization_config"], folder, kernel, dense_linear=dense_linear
+            )
         raise ValueError(f"unsupported quantization method {method!r} (pagedllm runs AWQ)")
 
     def _determine_num_blocks(self, block_size: int) -> int:
@@ -354,7 +355,7 @@ class LLMEngine:
             return self._sample_plain(logits, sampled_rows, out, tokens, logprobs, recompute_logits)
         # Rows of requests without drafts go through the sampler as in any step; requests
         # with drafts through the verifier.
-        plain_rows, plain, drafting_rows, drafting = [], [], [], []
+        plain_rows, plain, drafting_rows, drafting = [], [], [], []  # type: ignore[var-annotated]
         row = 0
         for index in sampled_rows:
             num_rows = 1 + len(out.scheduled[index].draft_token_ids)
@@ -456,11 +457,6 @@ class LLMEngine:
         if self.disk_cache is None:
             raise ValueError("save_prefix needs a prefix-cache directory: set prefix_cache_dir")
         return self.disk_cache.save_when_computed(request)
-
-    @property
-    def tool_format(self) -> ToolCallFormat:
-        """The tool-call markup this model was trained on (see `InputProcessor.tool_format`)."""
-        return self.inputs.tool_format
 
     def shutdown(self) -> None:
         """Release the model: the tensor-parallel ranks, the weights and the KV cache.

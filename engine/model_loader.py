@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.isa_levels import cache_dir  # noqa: F401 - the one definition, kept importable here
+from ..kernels.cache_dir import cache_dir  # noqa: F401 - the one definition, kept importable here
 from . import ollama_store
 from .default_model import (  # noqa: F401 - where callers have always found them
     DEFAULT_MODEL_NAME,

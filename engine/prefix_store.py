@@ -262,7 +262,7 @@ class PrefixStore:
             header_bytes = f.read(header_len)
             # The payload goes where it is wanted; a misfit one (another layout) to scratch,
             # so that its header, once authenticated, can say what it is.
-            target = memoryview(out).cast("B") if payload_len == out.nbytes else bytearray(
+            target = memoryview(out).cast("B") if payload_len == out.nbytes else bytearray(  # type: ignore[arg-type]  # numpy: a buffer
                 payload_len
             )  # fmt: skip
             if f.readinto(target) != payload_len:
@@ -375,7 +375,7 @@ class PrefixStore:
         prefix = _PREFIX.pack(MAGIC, self._key_id, len(header), payload.nbytes)
         mac = hmac.new(self._key, prefix, hashlib.sha256)
         mac.update(header)
-        mac.update(memoryview(payload).cast("B"))
+        mac.update(memoryview(payload).cast("B"))  # type: ignore[arg-type]  # numpy: a buffer
         self._write_atomically(name, prefix, header, payload.data, mac.digest())
         size = len(prefix) + len(header) + payload.nbytes + _MAC_BYTES
         self.limit.written_since_scan += size

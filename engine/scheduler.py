@@ -207,7 +207,7 @@ class Scheduler:
                 continue
             swap_slots = self.swapped.get(request.request_id)
             if swap_slots is not None:  # its computed KV waits in host memory
-                hits, num_computed = [], request.num_computed_tokens
+                hits, num_computed = [], request.num_computed_tokens  # type: ignore[var-annotated]
             else:
                 hits, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
@@ -356,7 +356,7 @@ class Scheduler:
             if not params.ignore_eos and last in params._eos_token_ids:
                 request.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
+            if last in params.stop_token_ids:  # type: ignore[operator]  # a list once validated
                 request.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:

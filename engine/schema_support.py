@@ -163,6 +163,7 @@ class _Walk:
         else:
             values = [schema["const"]] if leaders[0] == "const" else []
         for value in values if types is not None else ():
+            assert types is not None  # the loop runs only when the schema names types
             if not types & _json_types(value):
                 raise self.refuse(
                     leaders[0], path, f"the value {json.dumps(value)[:60]} is not of type "

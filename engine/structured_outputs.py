@@ -348,7 +348,7 @@ def tagged_json_grammar(
     alternatives: (before, JSON schema, after) triples; the JSON is generated the same way as a
     `json` constraint. With `repeat_separator`, one or more matches (at most `max_repeats`)
     joined by that separator.
-    Used for forced tool calls (engine/tool_calls.py). ValueError for a schema that cannot be
+    Used for forced tool calls (pagedllm_integrations/chat/tool_calls.py). ValueError for a schema that cannot be
     compiled, or that uses a keyword the grammar would not enforce.
     """
     import xgrammar as xgr

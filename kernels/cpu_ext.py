@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from . import isa_levels
+from .cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def build_dir() -> Path:
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     key = digest.hexdigest()[:16]
-    return isa_levels.cache_dir() / "ext" / f"cpu_ops-{key}"
+    return cache_dir() / "ext" / f"cpu_ops-{key}"
 
 
 def load() -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .cache_dir import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
@@ -145,15 +146,6 @@ def sources_digest(sources_dir: Path = CSRC) -> str:
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
-
-
-def cache_dir() -> Path:
-    """pagedllm's cache: `$PAGEDLLM_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedllm`, else
-    `~/.cache/pagedllm` (compiled kernels, converted GGUF folders, prefix caches)."""
-    if os.environ.get("PAGEDLLM_CACHE_DIR"):
-        return Path(os.environ["PAGEDLLM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedllm"
 
 
 def ensure_built(folder: Path, arch_flags: tuple[str, ...], sources: tuple[str, ...]) -> bool:

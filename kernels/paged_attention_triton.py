@@ -437,7 +437,7 @@ def paged_attention_triton(
     use_window = window > 0
     qk_scale = float(scale) * _LOG2E
     use_soft_cap = logits_soft_cap is not None and logits_soft_cap > 0
-    soft_cap_log2 = float(logits_soft_cap) * _LOG2E if use_soft_cap else 1.0
+    soft_cap_log2 = float(logits_soft_cap or 0.0) * _LOG2E if use_soft_cap else 1.0
     # tf32 would cost float32 its 1e-3 accuracy; other dtypes ignore the setting.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits (garbage),

@@ -22,7 +22,7 @@ SUBCOMMANDS = {
     "serve": ("server.cli", "run the OpenAI-compatible HTTP server"),
     "top": ("server.top", "live view of a running server's /metrics"),
     "bench": ("engine.bench", "throughput benchmark against transformers"),
-    "quantize": ("quant.cli", "quantize a model to AWQ INT4"),
+    "quantize": ("cli_quantize", "quantize a model to AWQ INT4"),
 }
 
 

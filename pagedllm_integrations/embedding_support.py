@@ -15,6 +15,7 @@ from typing import Any
 
 from .engine.client import EngineClient
 from .engine.config import EngineConfig
+from .engine.model_info import PromptType
 from .engine.pooling import PoolingParams
 
 # all-MiniLM-L6-v2, shipped inside a PyPI package: the model when none is given.
@@ -80,7 +81,8 @@ def embed_texts(
     """Vectors of `texts`, handed to the engine `batch_size` at a time."""
     vectors: list[list[float]] = []
     for start in range(0, len(texts), batch_size):
-        vectors.extend(_vectors(engine.embed_sync(texts[start : start + batch_size], params)))
+        batch: list[PromptType] = list(texts[start : start + batch_size])
+        vectors.extend(_vectors(engine.embed_sync(batch, params)))
     return vectors
 
 
@@ -90,6 +92,7 @@ async def aembed_texts(
     """`embed_texts` on the running event loop, which never blocks on the engine."""
     vectors: list[list[float]] = []
     for start in range(0, len(texts), batch_size):
-        outputs = await engine.embed(texts[start : start + batch_size], params)
+        batch: list[PromptType] = list(texts[start : start + batch_size])
+        outputs = await engine.embed(batch, params)
         vectors.extend(_vectors(outputs))
     return vectors

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .engine.chat_messages import not_text_message
+from .chat.chat_messages import not_text_message
 
 
 def message_text(content: Any) -> str:

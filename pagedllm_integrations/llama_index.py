@@ -58,6 +58,7 @@ from .chat.prepare import ChatOptions, prepare_chat
 from .chat.sampling import SAMPLING_FIELDS, build_sampling_params, merge_stops
 from .chat.stream import aiter_outputs, alast, iter_outputs, last
 from .chat.tool_choice import ToolPlan, plan_tools
+from .chat.tool_formats import model_tool_format
 from .engine.client import EngineClient, PromptType
 from .engine.config import EngineConfig
 from .engine.outputs import RequestOutput
@@ -235,7 +236,7 @@ class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
         to_prompt = self.messages_to_prompt
         if to_prompt is not None and to_prompt is not generic_messages_to_prompt:
             # The user's own formatting wins over the model's chat template.
-            plan = options.plan(self.engine.tool_format)
+            plan = options.plan(model_tool_format(self.engine))
             return to_prompt(messages), params.clone(structured_outputs=plan.constraint), plan
         prompt = prepare_chat(self.engine, to_openai_messages(messages), params, options)
         return prompt.engine_prompt, prompt.params, prompt.plan

@@ -19,14 +19,14 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.program.utils import process_streaming_objects
 
+from .chat.chat_messages import not_text_message
 from .chat.logprobs import chat_logprobs
 from .chat.outputs import ChatChoice, Usage, check_complete, read_choice
 from .chat.stream import ChoiceStream
+from .chat.tool_calls import new_call_id
 from .chat.tool_choice import ToolPlan
-from .engine.chat_messages import not_text_message
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
-from .engine.tool_calls import new_call_id
 
 # LlamaIndex roles that chat templates know under another name.
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}

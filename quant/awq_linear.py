@@ -20,16 +20,21 @@ from __future__ import annotations
 import glob
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..engine.models.layers import LinearFactory, StackedLinear
 from .awq_format import PACK, AWQConfig, dequantize, parse_awq_config, unpack_int4
 
 logger = logging.getLogger(__name__)
+
+# The linear factory's signature (engine/models/layers.py, LinearFactory): (in_features,
+# output_sizes, bias, prefixes, dtype, device) -> module. The models' layer sits above this
+# one, so its name is not imported here.
+LinearFactory = Callable[..., nn.Module]
 
 _NATIVE_GROUP_SIZES = (32, 64, 128, 256)
 # torch's int4 CPU matmul is fast (AVX512) for bf16 activations only; in fp32 it is a slow
@@ -54,6 +59,13 @@ class AWQLinear(nn.Module):
     float32 models keep them: exact float32 tiles for prefill, the native kernel in float32
     for decode (up to _NATIVE_FP32_MAX_TOKENS tokens).
     """
+
+    # Buffers (register_buffer), named here for the type checker. The AWQ tensors are set
+    # to None once repacked for a CPU kernel (`_release_awq_tensors`), and only read before.
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(
         self,
@@ -136,9 +148,7 @@ class AWQLinear(nn.Module):
                     .compact()
                     .tiled()
                 )
-                self.qweight = None
-                self.qzeros = None
-                self.scales = None
+                self._release_awq_tensors()
                 if self.bias is not None:
                     self.bias = self.bias.float()
 
@@ -164,9 +174,13 @@ class AWQLinear(nn.Module):
             # copies are not needed any more. float32 models keep them for the exact tiles
             # path (prefill) and use the native kernel in float32 for decode only.
             self._scales_zeros = self._scales_zeros.to(torch.bfloat16)
-            self.qweight = None
-            self.qzeros = None
-            self.scales = None
+            self._release_awq_tensors()
+
+    def _release_awq_tensors(self) -> None:
+        """Drop the AWQ copies once a CPU kernel holds the weight in its own layout."""
+        self.qweight = None  # type: ignore[assignment]  # never read after the repack
+        self.qzeros = None  # type: ignore[assignment]
+        self.scales = None  # type: ignore[assignment]
 
     def weight_bytes(self) -> int:
         """Bytes held for the weight (packed codes, zeros, scales, bias)."""
@@ -192,7 +206,8 @@ class AWQLinear(nn.Module):
         elif self._int4pack is not None and (
             self.qweight is None or x.shape[0] <= _NATIVE_FP32_MAX_TOKENS
         ):
-            compute = self._scales_zeros.dtype  # bf16 for bf16/fp16 models, else float32
+            # bf16 for bf16/fp16 models, else float32; set with _int4pack
+            compute = self._scales_zeros.dtype  # type: ignore[union-attr]
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(compute), self._int4pack, self.group_size, self._scales_zeros
             ).to(x.dtype)
@@ -245,7 +260,7 @@ class MixedStackedLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
 
     def load(self, suffix: str, tensor: torch.Tensor, shard: int) -> None:
-        self.parts[shard].load(suffix, tensor, 0)
+        self.parts[shard].load(suffix, tensor, 0)  # type: ignore[operator]  # every part loads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
@@ -262,7 +277,10 @@ class MixedStackedLinear(nn.Module):
             biases.append(found[1])
         if all(b is None for b in biases):
             return segments, None
-        sizes = [sum(int(w.shape[0]) for w in part.kernel_segments()[0]) for part in self.parts]
+        sizes = [
+            sum(int(w.shape[0]) for w in part.kernel_segments()[0])  # type: ignore[operator,misc]
+            for part in self.parts  # (each part has kernel_segments: checked above)
+        ]
         bias = torch.cat(
             [b.float() if b is not None else torch.zeros(n) for b, n in zip(biases, sizes)]
         )
@@ -309,9 +327,16 @@ _FUSED_CHECKPOINT_NAMES = {
 
 
 def awq_linear_factory(
-    quant_config: dict[str, Any], folder: Path, cpu_kernel: str = "auto"
+    quant_config: dict[str, Any],
+    folder: Path,
+    cpu_kernel: str = "auto",
+    *,
+    dense_linear: LinearFactory,
 ) -> LinearFactory:
     """The engine's LinearFactory for an AutoAWQ gemm checkpoint in `folder`.
+
+    `dense_linear`: the factory of the linears the checkpoint holds unquantized off the fast
+    path (the models' `dense_linear`, handed in by the engine that builds the backend).
 
     A module is quantized iff `<prefix>.qweight` is in the checkpoint, which covers
     modules_to_not_convert whatever matching rule the writer used.
@@ -339,23 +364,23 @@ def awq_linear_factory(
         quantized = [is_quantized(prefix) for prefix in prefixes]
         group = config.group_size_for(in_features)
 
-        def dense(sizes: list[int]) -> nn.Module:
+        def dense(sizes: list[int], names: list[str]) -> nn.Module:
             if cpu_kernel == "packed":  # the fast path holds unquantized shards in bf16
                 from .packed_linear import PackedStackedLinear
 
                 return PackedStackedLinear(in_features, sizes, bias)
-            return StackedLinear(in_features, sizes, bias, dtype, device)
+            return dense_linear(in_features, sizes, bias, names, dtype, device)
 
         if all(quantized):
             return AWQLinear(in_features, output_sizes, bias, group, dtype, device, cpu_kernel)
         if not any(quantized):
-            return dense(output_sizes)
+            return dense(output_sizes, prefixes)
         logger.info("mixed AWQ / dense stack %s", prefixes)
         parts: list[nn.Module] = [
             AWQLinear(in_features, [size], bias, group, dtype, device, cpu_kernel)
             if is_q
-            else dense([size])
-            for size, is_q in zip(output_sizes, quantized)
+            else dense([size], [prefix])
+            for size, prefix, is_q in zip(output_sizes, prefixes, quantized)
         ]
         return MixedStackedLinear(parts)
 

@@ -103,8 +103,8 @@ def apply_scales(prev: nn.Module, linears: list[nn.Linear], scales: torch.Tensor
         prev.weight.data = (prev.weight.data.float() / scales[:, None]).to(prev.weight.dtype)
         if prev.bias is not None:
             prev.bias.data = (prev.bias.data.float() / scales).to(prev.bias.dtype)
-    elif hasattr(prev, "weight") and prev.weight.dim() == 1:  # RMSNorm: y = w * norm(x)
-        prev.weight.data = (prev.weight.data.float() / scales).to(prev.weight.dtype)
+    elif isinstance(weight := getattr(prev, "weight", None), torch.Tensor) and weight.dim() == 1:
+        weight.data = (weight.data.float() / scales).to(weight.dtype)  # RMSNorm: w * norm(x)
     else:
         raise ValueError(f"cannot fold AWQ scales into a {type(prev).__name__}")
     for lin in linears:

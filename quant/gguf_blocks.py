@@ -230,10 +230,10 @@ def _q6_k(b: np.ndarray):
     d = _f16(b[:, 208:210])
     # Each half of 128 values: low nibbles of ql[0:32], ql[32:64], then high nibbles of
     # both; two high bits each from qh[0:32] at shifts 0, 2, 4, 6.
-    low = ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    low = (low & 0x0F).reshape(-1, 2, 4, 32)
-    high = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    high = high & 0x03
+    nibbles = ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    low = (nibbles & 0x0F).reshape(-1, 2, 4, 32)
+    pairs = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = pairs & 0x03
     q = (low | (high << 4)).reshape(-1, QK_K).astype(np.int16) - 32
     return q, (d, sc), None, 16
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.gguf_loader import GGUFTensor
+from .gguf_tensor import GGUFTensor
 from .packed import PackedWeight, TiledWeight, cat_rows
 
 KernelWeight = TiledWeight | torch.Tensor  # what the fast path's kernels multiply by
@@ -42,6 +42,11 @@ def packed_matmul(
 def kernel_weight(weight: PackedWeight | torch.Tensor) -> KernelWeight:
     """A complete weight in the form the kernels take: packed ones tiled, dense ones as they are."""
     return weight.tiled() if isinstance(weight, PackedWeight) else weight
+
+
+def table_weight(value: torch.Tensor | GGUFTensor) -> KernelWeight:
+    """An embedding table (or LM head) as the fast path's kernels read it."""
+    return kernel_weight(to_fast_weight(value))
 
 
 def to_fast_weight(value: torch.Tensor | GGUFTensor) -> PackedWeight | torch.Tensor:

@@ -34,6 +34,9 @@ from .awq_search import apply_clip, apply_scales, sample_tokens, search_clip, se
 
 logger = logging.getLogger(__name__)
 
+# The default calibration text of `pagedllm quantize` (installed with this package).
+DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
+
 LINEAR_NAMES = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -119,6 +122,11 @@ def calibration_blocks(
     return torch.tensor(ids[: count * seq_len], dtype=torch.int64).view(count, seq_len)
 
 
+def _decoder_layers(model: nn.Module) -> Any:
+    """A transformers causal LM's decoder layers (`model.model.layers`, a ModuleList)."""
+    return model.model.layers  # type: ignore[union-attr]  # nn.Module attributes are untyped
+
+
 def _layer_call(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     out = layer(hidden, **kwargs)
     return out[0] if isinstance(out, tuple) else out
@@ -126,7 +134,7 @@ def _layer_call(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) 
 
 def _decoder_inputs(model: nn.Module, blocks: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
     """Hidden states entering layer 0 [n, L, H] and the kwargs every layer receives."""
-    layers = model.model.layers
+    layers = _decoder_layers(model)
     catcher = _Catcher(layers[0])
     layers[0] = catcher
     try:
@@ -160,7 +168,7 @@ def awq_quantize_model(
     quantized: dict[str, QuantizedWeight] = {}
     ratios: dict[str, float] = {}
     per_layer: list[float] = []
-    layers = model.model.layers
+    layers = _decoder_layers(model)
     for index in tqdm(range(len(layers)), desc="AWQ", disable=not options.progress):
         t0 = time.perf_counter()
         layer = layers[index]
@@ -183,7 +191,13 @@ def awq_quantize_model(
             return out[0] if isinstance(out, tuple) else out
 
         groups: list[tuple[str, nn.Module, list[str], str, Callable]] = [
-            ("qkv", layer.input_layernorm, LINEAR_NAMES[:3], "self_attn.q_proj", attention_block),
+            (
+                "qkv",
+                layer.input_layernorm,
+                list(LINEAR_NAMES[:3]),
+                "self_attn.q_proj",
+                attention_block,
+            ),
         ]
         v, o = linears["self_attn.v_proj"], linears["self_attn.o_proj"]
         if v.out_features == o.in_features:  # no GQA: v's output rows are o's input channels
@@ -299,7 +313,7 @@ def rtn_quantize_model(
 ) -> dict[str, QuantizedWeight]:
     """Plain round-to-nearest INT4 of every decoder linear (the baseline AWQ must beat)."""
     quantized: dict[str, QuantizedWeight] = {}
-    for index, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(_decoder_layers(model)):
         for name in LINEAR_NAMES:
             if is_excluded(name, list(skip)):
                 continue

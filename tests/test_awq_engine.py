@@ -15,12 +15,12 @@ from safetensors import safe_open
 
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.cli import main as cli_main
-from pagedllm_integrations.quant.awq_format import AWQConfig, dequantize
-from pagedllm_integrations.quant.cli import (
+from pagedllm_integrations.cli_quantize import (
     DEFAULT_CALIBRATION,
     load_float_model,
     read_calibration_text,
 )
+from pagedllm_integrations.quant.awq_format import AWQConfig, dequantize
 from pagedllm_integrations.quant.quantizer import (
     QuantizeOptions,
     awq_quantize_model,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagedllm_integrations.engine.models.layers import StackedLinear
+from pagedllm_integrations.engine.models.layers import StackedLinear, dense_linear
 from pagedllm_integrations.quant.awq_format import quantize_weight
 from pagedllm_integrations.quant.awq_linear import (
     AWQLinear,
@@ -101,7 +101,9 @@ def test_factory_routes_by_qweight_presence(tmp_path):
         tensors[f"{prefix}.o_proj.{suffix}"] = tensor
     tensors["model.layers.0.mlp.down_proj.weight"] = torch.randn(128, 256).half()
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    make = awq_linear_factory({**CONFIG, "modules_to_not_convert": ["v_proj"]}, tmp_path)
+    make = awq_linear_factory(
+        {**CONFIG, "modules_to_not_convert": ["v_proj"]}, tmp_path, dense_linear=dense_linear
+    )
     names = [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
     qkv = make(k, sizes, False, names, torch.float32, CPU)
     assert isinstance(qkv, MixedStackedLinear)
@@ -120,4 +122,4 @@ def test_factory_routes_by_qweight_presence(tmp_path):
 def test_factory_rejects_folder_without_awq_tensors(tmp_path):
     save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"holds no '\.qweight'"):
-        awq_linear_factory(CONFIG, tmp_path)
+        awq_linear_factory(CONFIG, tmp_path, dense_linear=dense_linear)

@@ -9,10 +9,10 @@ import pytest
 from pagedllm_integrations.chat.errors import ChatRequestError
 from pagedllm_integrations.chat.outputs import Usage, read_choice
 from pagedllm_integrations.chat.stream import ChoiceStream
+from pagedllm_integrations.chat.tool_calls import format_call, normalize_tools
 from pagedllm_integrations.chat.tool_choice import normalize_tool_choice, plan_tools
 from pagedllm_integrations.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm_integrations.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm_integrations.engine.tool_calls import format_call, normalize_tools
 
 TOOLS = normalize_tools(
     [

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.chat.errors import IncompleteOutputError
-from pagedllm_integrations.engine.tool_calls import parse_tool_calls, render_chat_prompt
+from pagedllm_integrations.chat.tool_calls import parse_tool_calls, render_chat_prompt
 from pagedllm_integrations.langchain import ChatPagedLLM, PagedLLM
 from pagedllm_integrations.langchain_messages import to_openai_messages
 from pagedllm_integrations.llama_index import PagedLlamaIndexLLM

@@ -121,7 +121,7 @@ def test_quantizer_calibrates_qwen3_and_refuses_gemma(tmp_path):
     act after the projections); Gemma's sandwich norms are not, so it is refused by name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedllm_integrations.quant.cli import (
+    from pagedllm_integrations.cli_quantize import (
         DEFAULT_CALIBRATION,
         quantize_checkpoint,
         read_calibration_text,

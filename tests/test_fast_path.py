@@ -126,9 +126,9 @@ def test_dense_checkpoint_runs_in_bf16_close_to_float32(tiny_llama_dir):
 def test_awq_checkpoint_repacks_exactly_into_the_fast_path(tiny_llama_factory, tmp_path):
     """AWQ's (q - z) * s becomes the packed U4 format's s * q + m with the same values, and
     the fast path's next-token distribution follows the float32 path's."""
+    from pagedllm_integrations.cli_quantize import load_float_model
     from pagedllm_integrations.quant.awq_format import AWQConfig, dequantize
     from pagedllm_integrations.quant.awq_linear import AWQLinear
-    from pagedllm_integrations.quant.cli import load_float_model
     from pagedllm_integrations.quant.quantizer import rtn_quantize_model, save_awq_checkpoint
 
     src = tiny_llama_factory("fast-awq", hidden_size=128, num_heads=4, num_kv_heads=2, shards=1)

@@ -22,7 +22,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from pagedllm_integrations.chat.stream import ToolCallGate
-from pagedllm_integrations.engine.tool_calls import CALL_OPEN, render_chat_prompt
+from pagedllm_integrations.chat.tool_calls import CALL_OPEN, render_chat_prompt
 from pagedllm_integrations.langchain import ChatPagedLLM, PagedLLM
 from pagedllm_integrations.langchain_messages import to_openai_messages
 

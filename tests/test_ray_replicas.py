@@ -16,6 +16,10 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedllm_integrations import SamplingParams  # noqa: E402
+from pagedllm_integrations.chat.tool_calls import (  # noqa: E402
+    parse_tool_calls,
+    tool_call_constraint,
+)
 from pagedllm_integrations.engine.async_engine import AsyncEngine, RequestError  # noqa: E402
 from pagedllm_integrations.engine.config import EngineConfig  # noqa: E402
 from pagedllm_integrations.engine.distributed.ray_replicas import RayReplicaEngine  # noqa: E402
@@ -30,10 +34,6 @@ from pagedllm_integrations.engine.factory import (  # noqa: E402
 from pagedllm_integrations.engine.sampling_params import (  # noqa: E402
     RequestOutputKind,
     StructuredOutputsParams,
-)
-from pagedllm_integrations.engine.tool_calls import (  # noqa: E402
-    parse_tool_calls,
-    tool_call_constraint,
 )
 
 PROMPTS = [

@@ -12,9 +12,10 @@ import pytest
 from compiler_processes import SLOW_REGEX, compile_children, wait_for
 
 from pagedllm_integrations import SamplingParams
+from pagedllm_integrations.chat.chat_messages import strip_code_fence
 from pagedllm_integrations.chat.prepare import prepare_chat
+from pagedllm_integrations.chat.tool_calls import normalize_tools, parse_tool_calls
 from pagedllm_integrations.engine.async_engine import AsyncEngine, RequestError
-from pagedllm_integrations.engine.chat_messages import strip_code_fence
 from pagedllm_integrations.engine.config import EngineConfig
 from pagedllm_integrations.engine.request_limits import MAX_JSON_DEPTH, check_schema
 from pagedllm_integrations.engine.sampling_params import StructuredOutputsParams
@@ -24,7 +25,6 @@ from pagedllm_integrations.engine.structured_outputs import (
     canonical_key,
     compile_limits,
 )
-from pagedllm_integrations.engine.tool_calls import normalize_tools, parse_tool_calls
 
 VOCAB = 49152
 

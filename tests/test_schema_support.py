@@ -14,10 +14,10 @@ import pydantic
 import pytest
 
 from pagedllm_integrations import SamplingParams
+from pagedllm_integrations.chat.tool_calls import tool_call_constraint
 from pagedllm_integrations.engine.sampling_params import StructuredOutputsParams as Structured
 from pagedllm_integrations.engine.schema_support import check_enforceable
 from pagedllm_integrations.engine.structured_outputs import JSON_SEPARATORS
-from pagedllm_integrations.engine.tool_calls import tool_call_constraint
 
 
 def grammar_accepts(schema: dict, value) -> bool:

@@ -224,7 +224,7 @@ WEATHER_TOOL = {
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_returns_a_tool_call(client, stream):
-    pytest.importorskip("pagedllm_integrations.engine.tool_calls")
+    pytest.importorskip("pagedllm_integrations.chat.tool_calls")
     kwargs = dict(
         model=MODEL,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
@@ -248,7 +248,7 @@ def test_tool_choice_required_returns_a_tool_call(client, stream):
 
 def test_tool_result_turn(client):
     """The second turn of a tool loop: the call and its result go back in as messages."""
-    pytest.importorskip("pagedllm_integrations.engine.tool_calls")
+    pytest.importorskip("pagedllm_integrations.chat.tool_calls")
     call = {
         "id": "call_1",
         "type": "function",
@@ -272,7 +272,7 @@ def test_tool_result_turn(client):
 
 def test_langchain_bind_tools(server):
     langchain_openai = pytest.importorskip("langchain_openai")
-    pytest.importorskip("pagedllm_integrations.engine.tool_calls")
+    pytest.importorskip("pagedllm_integrations.chat.tool_calls")
     llm = langchain_openai.ChatOpenAI(
         base_url=server.url + "/v1", api_key="x", model=MODEL, temperature=0, max_tokens=64
     )

@@ -115,8 +115,8 @@ def test_tp3_default_model_matches_one_rank(default_llm_f32):
 def test_tp2_awq_checkpoint_matches_one_rank(tiny_llama_factory, tmp_path):
     """AWQ layers are sliced at load time: qweight/qzeros by packs of 8 output columns,
     row-parallel ones by input rows and whole groups."""
+    from pagedllm_integrations.cli_quantize import load_float_model
     from pagedllm_integrations.quant.awq_format import AWQConfig
-    from pagedllm_integrations.quant.cli import load_float_model
     from pagedllm_integrations.quant.quantizer import rtn_quantize_model, save_awq_checkpoint
 
     src = tiny_llama_factory("tp-awq", hidden_size=128, num_heads=4, num_kv_heads=2, shards=1)

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from pagedllm_integrations.engine.tool_calls import (
+from pagedllm_integrations.chat.tool_calls import (
     ToolCall,
     normalize_tools,
     parse_tool_calls,
@@ -228,10 +228,11 @@ def test_constraint_modes():
     assert tool_call_constraint(TOOLS, "auto") is None
     assert tool_call_constraint(TOOLS, "none") is None
     assert tool_call_constraint(TOOLS, None) is None
+    # True names the only tool (LangChain's meaning, read by normalize_tool_choice).
+    assert tool_call_constraint([ADD], True).grammar
     for choice in (
         "required",
         "any",
-        True,
         "add",
         {"type": "function", "function": {"name": "add"}},
     ):

@@ -19,11 +19,12 @@ import pytest
 from family_checkpoints import make_family_checkpoint
 
 from pagedllm_integrations import LLM, SamplingParams
-from pagedllm_integrations.engine.tool_calls import (
+from pagedllm_integrations.chat.tool_calls import (
     parse_tool_calls,
     render_chat_prompt,
     tool_call_constraint,
 )
+from pagedllm_integrations.chat.tool_formats import model_tool_format
 
 QWEN3_TEMPLATE = (
     r"{%- if tools %}"
@@ -163,7 +164,7 @@ def family_llm(request, tmp_path_factory):
 
 def _forced(llm, messages, tool_choice, max_tokens=120, **constraint_args):
     engine = llm.engine.engine
-    fmt = engine.tool_format
+    fmt = model_tool_format(llm.engine)
     prompt = render_chat_prompt(engine.tokenizer, messages, TOOLS, tool_choice, tool_format=fmt)
     constraint = tool_call_constraint(TOOLS, tool_choice, tool_format=fmt, **constraint_args)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=constraint)
@@ -178,7 +179,7 @@ def _forced(llm, messages, tool_choice, max_tokens=120, **constraint_args):
 
 def test_format_is_chosen_from_the_model(family_llm):
     kind, llm = family_llm
-    assert llm.engine.engine.tool_format.name == CASES[kind][1]
+    assert model_tool_format(llm.engine).name == CASES[kind][1]
 
 
 def test_tools_render_in_the_family_prompt(family_llm):
@@ -223,7 +224,9 @@ def test_parallel_forced_calls(family_llm):
 def test_earlier_calls_and_results_render_and_round_trip(family_llm):
     kind, llm = family_llm
     engine = llm.engine.engine
-    prompt = render_chat_prompt(engine.tokenizer, HISTORY, TOOLS, tool_format=engine.tool_format)
+    prompt = render_chat_prompt(
+        engine.tokenizer, HISTORY, TOOLS, tool_format=model_tool_format(llm.engine)
+    )
     if kind == "qwen3":
         call_text = (
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -241,7 +244,7 @@ def test_earlier_calls_and_results_render_and_round_trip(family_llm):
         call_text = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
         assert f"<start_of_turn>model\n{call_text}<end_of_turn>\n" in prompt
         assert "<start_of_turn>user\n18 C, sunny<end_of_turn>\n<start_of_turn>model\n" in prompt
-    _, calls = parse_tool_calls(call_text, TOOLS, engine.tool_format)
+    _, calls = parse_tool_calls(call_text, TOOLS, model_tool_format(llm.engine))
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
@@ -316,7 +319,7 @@ def test_langchain_bind_tools_speaks_the_model_format(family_llm):
 def test_format_choice_from_template_and_architecture():
     from types import SimpleNamespace
 
-    from pagedllm_integrations.engine.tool_formats import tool_format_for
+    from pagedllm_integrations.chat.tool_formats import tool_format_for
 
     def chosen(template, architecture=None):
         return tool_format_for(SimpleNamespace(chat_template=template), architecture).name

@@ -54,7 +54,7 @@ def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
     if cfg.num_experts and cfg.moe_intermediate_size % world:
         problems.append(f"moe_intermediate_size {cfg.moe_intermediate_size}")
     if problems:
-        sizes = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
+        sizes: tuple[int, ...] = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
         sizes += (cfg.moe_intermediate_size,) if cfg.num_experts else ()
         usable = [k for k in range(2, cfg.num_kv_heads + 1) if not any(n % k for n in sizes)]
         raise ValueError(
@@ -82,7 +82,7 @@ def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
 
 def _dense(tensor: Any) -> torch.Tensor:
     """GGUF blocks are dequantized before slicing (ranks run the float path)."""
-    from ..gguf_loader import as_dense
+    from ..models.layers import as_dense
 
     return as_dense(tensor, torch.float32) if not isinstance(tensor, torch.Tensor) else tensor
 
@@ -102,6 +102,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, inner: nn.Module, rank: int, world: int):
         super().__init__()
+        self.inner: Any  # the wrapped linear: it has `load` (models/layers.py, LoadableLinear)
         self.inner, self.rank, self.world = inner, rank, world
 
     def load(self, suffix: str, tensor: Any, shard: int) -> None:
@@ -123,6 +124,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, inner: nn.Module, rank: int, world: int, group: Any = None):
         super().__init__()
+        self.inner: Any  # the wrapped linear: it has `load`
         self.inner, self.rank, self.world, self.group = inner, rank, world, group
 
     def load(self, suffix: str, tensor: Any, shard: int) -> None:
@@ -174,5 +176,7 @@ def base_linear_factory(hf_config: dict[str, Any], folder: Path) -> LinearFactor
     if method == "awq":
         from ...quant.awq_linear import awq_linear_factory
 
-        return awq_linear_factory(hf_config["quantization_config"], folder)
+        return awq_linear_factory(
+            hf_config["quantization_config"], folder, dense_linear=dense_linear
+        )
     return dense_linear

@@ -19,11 +19,13 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import socket
 import threading
 import time
 import weakref
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -74,11 +76,13 @@ class TensorParallelExecutor:
 
     def __init__(self) -> None:  # use TensorParallelExecutor.launch
         self.model: CausalLM
+        self.device: torch.device  # set by launch, as are the model and the store
+        self._store: dist.TCPStore
         self.world = 1
         self.dist_backend = "gloo"
         self.attention_backend = "auto"
         self.gpu_memory_utilization = 0.9
-        self.processes: list[mp.Process] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
         self.runner: ModelRunner | None = None  # rank 0's KV cache, after allocate()
         self._dead: str | None = None
         self._closing = False
@@ -136,7 +140,7 @@ class TensorParallelExecutor:
         )  # fmt: skip
         self._store = store
         context = mp.get_context("spawn")
-        base_spec = dict(
+        base_spec: dict[str, Any] = dict(
             world=world,
             backend=backend,
             store_host="127.0.0.1",
@@ -235,7 +239,7 @@ class TensorParallelExecutor:
     def profile_num_blocks(self, per_block: int, tokens: int, block_size: int) -> int:
         """KV blocks per rank that fit on the fullest GPU after a warm-up forward (CUDA)."""
         self._check_alive()
-        args = dict(
+        args: dict[str, Any] = dict(
             tokens=tokens,
             block_size=block_size,
             backend=self.attention_backend,
@@ -311,7 +315,7 @@ class TensorParallelExecutor:
         ready = multiprocessing.connection.wait(list(sentinels))
         if self._closing:
             return
-        process = sentinels[ready[0]]
+        process = sentinels[cast(int, ready[0])]  # wait() returns the sentinels it was given
         process.join(timeout=1)
         self._mark_dead(f"tensor-parallel {process.name} died (exit code {process.exitcode})")
         logger.error("%s; stopping the other ranks", self._dead)

@@ -6,7 +6,9 @@ the model when it is built, and what each backend can run (its capability table)
 
 A backend names:
 - `make_linear`: the linear layers' factory (dense torch, the fast path's packed / bf16
-  linears, AWQ, tensor-parallel shards);
+  linears, AWQ, tensor-parallel shards), and `tables`: the fast path's embedding table and
+  tied head. Weight formats (quant/) come in only through these two: the models import
+  nothing from quant/;
 - `fused_kernels`: whether norms, rotary, the gated activation and the embedding / head run
   as the C++ kernels of the CPU fast path, or in torch (the reference);
 - `attention`: the kernels.ops backend of the KV writes and attention ("cpu", "torch",
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import SLIDING, ModelConfig
-from .layers import LinearFactory, dense_linear
+from .layers import LinearFactory, TableKernels, dense_linear
 
 # Every feature a model family may need of its backend, and what it is.
 FEATURES: dict[str, str] = {
@@ -80,6 +82,8 @@ class Backend:
     attention: str
     capabilities: frozenset[str] = ALL_FEATURES
     stack: frozenset[str] = frozenset()
+    # The fast path's embedding table and tied head (quant/packed_linear.py's, handed in).
+    tables: TableKernels | None = None
 
     def check(self, features: frozenset[str]) -> None:
         """Refuse a model that needs what this backend's layers cannot run."""
@@ -100,10 +104,18 @@ class Backend:
 CPU_STACK = ALL_FEATURES
 
 
-def backend_for(fused_cpu: bool, attention: str, make_linear: LinearFactory) -> Backend:
-    """The backend of a compute plan (compute_plan.ComputePlan: fused_cpu, attention)."""
+def backend_for(
+    fused_cpu: bool,
+    attention: str,
+    make_linear: LinearFactory,
+    tables: TableKernels | None = None,
+) -> Backend:
+    """The backend of a compute plan (compute_plan.ComputePlan: fused_cpu, attention);
+    `tables`: the fast path's embedding-table kernels, which a fused model needs to load."""
     if fused_cpu:
-        return Backend("CPU fast path", make_linear, True, attention, ALL_FEATURES, CPU_STACK)
+        return Backend(
+            "CPU fast path", make_linear, True, attention, ALL_FEATURES, CPU_STACK, tables
+        )
     return Backend(f"{attention} attention", make_linear, False, attention)
 
 

@@ -25,10 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-from ..gguf_loader import as_dense
 from .backend import Backend, torch_backend
 from .config import ModelConfig, common_fields
-from .layers import LinearFactory
+from .layers import LinearFactory, as_dense
 from .split_work import SplitWork
 
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
@@ -161,8 +160,11 @@ class BertEncoder(nn.Module):
         self.token_type_embeddings = table(max(cfg.type_vocab_size, 1))
         self.embed_norm = nn.LayerNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
 
-        def recording_factory(in_f, sizes, bias, prefixes, dt, dev) -> nn.Module:
-            module = make_linear(in_f, sizes, bias, prefixes, dt, dev)
+        def recording_factory(
+            in_features, output_sizes, bias, prefixes, dtype, device
+        ) -> nn.Module:
+            # (LinearFactory's parameter names, so that it is one to the type checker)
+            module = make_linear(in_features, output_sizes, bias, prefixes, dtype, device)
             for shard, prefix in enumerate(prefixes):
                 self._linears[prefix] = (module, shard)
             return module
@@ -214,7 +216,11 @@ class BertEncoder(nn.Module):
         }
         for i, layer in enumerate(self.layers):
             prefix = f"encoder.layer.{i}"
-            for norm, name in ((layer.attn_norm, "attention.output"), (layer.out_norm, "output")):
+            norms: list[tuple[Any, str]] = [
+                (layer.attn_norm, "attention.output"),
+                (layer.out_norm, "output"),
+            ]  # nn.LayerNorms (torch types module attributes loosely)
+            for norm, name in norms:
                 plain[f"{prefix}.{name}.LayerNorm.weight"] = norm.weight
                 plain[f"{prefix}.{name}.LayerNorm.bias"] = norm.bias
         return plain

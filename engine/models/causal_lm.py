@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-from ..gguf_loader import as_dense
 from .attention import Attention
 from .backend import Backend, model_features, torch_backend
 from .config import SLIDING, ModelConfig
@@ -32,6 +31,7 @@ from .layers import (
     LMHead,
     RMSNorm,
     VocabEmbedding,
+    as_dense,
     split_fused,
 )
 from .rotary import RotaryEmbedding
@@ -103,7 +103,7 @@ class CausalLM(nn.Module):
         self._factory = backend.make_linear
         self._linears: dict[str, tuple[nn.Module, int]] = {}
         self.embed_tokens = VocabEmbedding(
-            cfg.vocab_size, cfg.hidden_size, dtype, device, fused_cpu
+            cfg.vocab_size, cfg.hidden_size, dtype, device, fused_cpu, backend.tables
         )
         # Gemma multiplies embeddings by sqrt(hidden), rounded to the model dtype first.
         self.embed_scale = (
@@ -124,6 +124,7 @@ class CausalLM(nn.Module):
             device,
             fused_cpu,
             tied_to=self.embed_tokens if cfg.tie_word_embeddings else None,
+            tables=backend.tables,
         )
         for param in self.parameters():
             param.requires_grad_(False)

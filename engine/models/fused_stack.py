@@ -61,7 +61,7 @@ class StackShape:
 
 def build_fused_stack(model: nn.Module) -> tuple[FusedDecoderStack | None, str]:
     """(the fused stack of a loaded model, "") or (None, why its layers cannot be one)."""
-    layers = list(model.layers)
+    layers = list(model.layers)  # type: ignore[arg-type]  # an nn.Module attribute (torch types them loosely)
     if not layers:
         return None, "the model has no decoder layers"
     shape: StackShape | None = None
@@ -134,7 +134,7 @@ def _mlp_parts(mlp: nn.Module) -> tuple[Any, bool] | str:
 def _gated_parts(mlp: nn.Module) -> tuple[tuple[Any, Any], bool] | str:
     if not mlp.fused:
         return "an activation not on the C++ kernels"
-    kernels = [_kernel(lin) for lin in (mlp.gate_up_proj, mlp.down_proj)]
+    kernels = [_kernel(lin) for lin in (mlp.gate_up_proj, mlp.down_proj)]  # type: ignore[arg-type]  # an nn.Module attribute (torch types them loosely)
     if any(k is None for k in kernels):
         return "a linear without a C++ form"
     return (kernels[0], kernels[1]), bool(mlp.gelu)
@@ -157,7 +157,7 @@ def _layer_parts(layer: nn.Module) -> Any:
     attn = layer.self_attn
     if type(attn) is not Attention:
         return f"a {type(attn).__name__} attention"
-    mlp_parts = _mlp_parts(layer.mlp)
+    mlp_parts = _mlp_parts(layer.mlp)  # type: ignore[arg-type]  # an nn.Module attribute (torch types them loosely)
     if isinstance(mlp_parts, str):
         return mlp_parts
     mlp, gelu = mlp_parts
@@ -200,7 +200,7 @@ _NORM_NAMES = {
 def _norm_scale(norm: nn.Module) -> torch.Tensor:
     """What the fused norm kernel multiplies by (w, or Gemma's 1 + w), float32 contiguous,
     computed as the module path computes it."""
-    return norm._scale().float().contiguous()
+    return norm._scale().float().contiguous()  # type: ignore[operator]  # an nn.Module attribute (torch types them loosely)
 
 
 def _difference(a: StackShape, b: StackShape) -> str:

@@ -8,6 +8,8 @@ family's order of cast and multiply) so that greedy outputs match it token for t
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -117,8 +119,6 @@ class StackedLinear(nn.Module):
         )
 
     def load(self, suffix: str, tensor: Any, shard: int) -> None:
-        from ..gguf_loader import as_dense
-
         start, end = self.offsets[shard], self.offsets[shard + 1]
         tensor = as_dense(tensor, self.weight.dtype)
         if suffix == "weight":
@@ -160,6 +160,15 @@ def split_fused(suffix: str, tensor: Any, sizes: list[int]) -> list[Any]:
     if any(width % unit for width in widths):
         raise ValueError(f"fused '{suffix}': pieces {widths} are not whole units of {unit}")
     return list(tensor.split([width // unit for width in widths], dim=dim))
+
+
+def as_dense(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor as a dense torch tensor of `dtype`, whatever form it came in: a
+    quantized one (quant/gguf_tensor.py's GGUFTensor, a weight format, which the models do
+    not import) dequantizes itself."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype)
+    return value.dense(torch.float32).to(dtype)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -244,10 +253,28 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_tanh": _gelu_tanh,
+}
 
 
 # --------------------------------------------------------- embedding and head
+@dataclass(frozen=True, slots=True)
+class TableKernels:
+    """How the CPU fast path holds an embedding table and multiplies by it (a tied head).
+
+    `to_kernel(checkpoint tensor)` -> the kernels' weight (a packed table in their tiles,
+    or bf16); `matmul(x, weight, out=)` -> x @ weight^T into `out`. The weight formats live
+    in quant/ (packed_linear.py), which the models do not import: the engine hands these in
+    through the backend, as it hands in the linear factory.
+    """
+
+    to_kernel: Callable[[Any], Any]
+    matmul: Callable[..., torch.Tensor]
+
+
 class VocabEmbedding(nn.Module):
     """The token embedding table [vocab, hidden].
 
@@ -258,10 +285,17 @@ class VocabEmbedding(nn.Module):
     """
 
     def __init__(
-        self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, fused: bool
+        self,
+        vocab: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool,
+        tables: TableKernels | None = None,
     ):
         super().__init__()
         self.fused = fused
+        self.tables = tables
         self.dtype = dtype
         self.shape = (vocab, hidden)
         self.weight: torch.Tensor | None = None
@@ -272,21 +306,25 @@ class VocabEmbedding(nn.Module):
             )
 
     def load(self, tensor: Any) -> None:
-        from ..gguf_loader import as_dense
-
         if tuple(tensor.shape) != self.shape:
             raise ValueError(f"embedding: checkpoint shape {tuple(tensor.shape)} != {self.shape}")
         if self.fused:
-            from ...quant.packed_linear import kernel_weight, to_fast_weight
-
-            self.fast_weight = kernel_weight(to_fast_weight(tensor))
+            self.fast_weight = self._tables().to_kernel(tensor)
         else:
             assert self.weight is not None
             self.weight.data.copy_(as_dense(tensor, self.dtype))
 
+    def _tables(self) -> TableKernels:
+        if self.tables is None:
+            raise ValueError(
+                "the CPU fast path's embedding needs its backend's table kernels "
+                "(Backend.tables): build the backend with backend_for(..., tables=...)"
+            )
+        return self.tables
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.fused:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight)  # type: ignore[arg-type]  # set unfused
         table = self.fast_weight
         if isinstance(table, torch.Tensor):
             return F.embedding(input_ids, table).to(self.dtype)
@@ -304,13 +342,16 @@ class LMHead(nn.Module):
         device: torch.device,
         fused: bool,
         tied_to: VocabEmbedding | None = None,
+        tables: TableKernels | None = None,
     ):
         super().__init__()
         self.fused = fused
         # The tied embedding module is not registered as a child (it is the model's).
         self._tied = [tied_to] if tied_to is not None else []
         self.own = (
-            None if tied_to is not None else VocabEmbedding(vocab, hidden, dtype, device, fused)
+            None
+            if tied_to is not None
+            else VocabEmbedding(vocab, hidden, dtype, device, fused, tables)
         )
 
     @property
@@ -329,10 +370,8 @@ class LMHead(nn.Module):
         a prompt step's layer buffers used, instead of allocating them."""
         table = self.table
         if not self.fused:
-            return F.linear(hidden, table.weight).float()
-        from ...quant.packed_linear import packed_matmul
-
+            return F.linear(hidden, table.weight).float()  # type: ignore[arg-type]  # set unfused
         weight = table.fast_weight
         rows, vocab = hidden.shape[0], int(weight.shape[0])
         logits = torch.ops.pagedllm.step_workspace(rows * vocab).view(rows, vocab)
-        return packed_matmul(hidden.float(), weight, out=logits)
+        return table._tables().matmul(hidden.float(), weight, out=logits)

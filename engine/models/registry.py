@@ -82,4 +82,5 @@ def build_model(
     """An unloaded model of cfg's family (weights come through `load_weights`), computing
     on `backend` (backend.py; the torch reference with dense linears by default)."""
     model_class = _family(cfg.architecture).model_class
-    return model_class(cfg, dtype, device, max_model_len, backend=backend)
+    # An encoder family builds a BertEncoder, which the engine drives through the same calls.
+    return model_class(cfg, dtype, device, max_model_len, backend=backend)  # type: ignore[return-value]

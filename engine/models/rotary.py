@@ -103,6 +103,9 @@ class RotaryEmbedding(nn.Module):
     features of each head turn; the rest pass through.
     """
 
+    cos: torch.Tensor  # buffers [max positions, rotary_dim] (register_buffer)
+    sin: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

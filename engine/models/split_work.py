@@ -28,7 +28,7 @@ def _one_torch_thread() -> None:
     torch.ops.pagedllm.kernel_thread(1)
 
 
-def _inference(fn: Callable[[T], None], piece: T) -> None:
+def _inference(fn: Callable[[T], object], piece: T) -> None:
     with torch.inference_mode():  # thread-local: the engine thread's mode is not inherited
         fn(piece)
 
@@ -44,7 +44,7 @@ class SplitWork:
             else None
         )
 
-    def run(self, fn: Callable[[T], None], pieces: Sequence[T]) -> None:
+    def run(self, fn: Callable[[T], object], pieces: Sequence[T]) -> None:
         """fn(piece) for every piece: the first here, the others on the helpers."""
         if self._helpers is None or len(pieces) < 2:
             for piece in pieces:

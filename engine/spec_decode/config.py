@@ -129,6 +129,7 @@ class SpeculativeConfig:
             low = high
         elif high is None:
             high = low
+        assert low is not None and high is not None  # each branch above sets both
         return cls(
             num_speculative_tokens=settings["num_speculative_tokens"],
             prompt_lookup_max=high,

@@ -79,7 +79,8 @@ class DraftVerifier:
     ) -> VerifiedDrafts:
         """logits [sum(1 + len(d)), V] float32: sequence i's 1 + len(drafts[i]) rows in
         order, sequences back to back (modified in place)."""
-        first_rows, views = [], []
+        first_rows: list[int] = []
+        views: list[_RowView] = []
         for request, tokens in zip(requests, drafts):
             first_rows.append(len(views))
             views.extend(_RowView(request, tokens[:j]) for j in range(len(tokens) + 1))
@@ -106,7 +107,8 @@ class DraftVerifier:
                 logits, requests, drafts, first_rows, limits, sampled, num_accepted, emitted
             )
 
-        token_ids, logprobs = [], []
+        token_ids: list[list[int]] = []
+        logprobs: list[list[LogprobInfo | None]] = []
         for i, request in enumerate(requests):
             tokens = [*drafts[i][: num_accepted[i]], emitted[i]]
             token_ids.append(tokens)

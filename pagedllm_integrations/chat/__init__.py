@@ -13,7 +13,8 @@
                                  stream:   tool-call gate, abort/timeout iterators
 
 Each front end keeps only the conversion between its framework's types and the OpenAI-style
-dicts used here; everything else exists once, below. The format of a tool call (how tools
-are written into a prompt, the grammar that forces a call, reading calls back) is the
-engine's (`engine/tool_calls.py`); this layer decides when and with what.
+dicts used here; everything else exists once, below, tool calls included: their formats
+(`tool_formats.py`), how tools are written into a prompt, the grammar that forces a call and
+reading calls back (`tool_calls.py`), the messages' rules (`chat_messages.py`). The engine
+below knows nothing of chat.
 """

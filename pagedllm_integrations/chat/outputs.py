@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.outputs import RequestOutput
-from ..engine.tool_calls import ToolCall, parse_tool_calls
 from .errors import IncompleteOutputError
+from .tool_calls import ToolCall, parse_tool_calls
 from .tool_choice import ToolPlan
 
 

@@ -7,15 +7,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.chat_messages import content_text
 from ..engine.client import EngineClient
 from ..engine.request_limits import check_text
 from ..engine.sampling_params import SamplingParams, StructuredOutputsParams
-from ..engine.tool_calls import render_chat_prompt
+from .chat_messages import content_text
 from .errors import ChatRequestError
 from .special_tokens import ContentGuard
 from .template_sandbox import SandboxedTemplate, TemplateRenderError
+from .tool_calls import render_chat_prompt
 from .tool_choice import ToolPlan, plan_tools
+from .tool_formats import model_tool_format
 
 _MAX_ERROR_CHARS = 500
 
@@ -48,7 +49,7 @@ class ChatOptions:
 
     def plan(self, tool_format: Any = None) -> ToolPlan:
         """The tool plan of these options (see `plan_tools`), calls in `tool_format`'s markup
-        (the model's: `EngineClient.tool_format`)."""
+        (the model's: `model_tool_format(client)`)."""
         return plan_tools(
             self.tools, self.tool_choice, self.structured, self.parallel_tool_calls, tool_format
         )
@@ -96,7 +97,7 @@ def render_chat(
             tool_choice=tool_choice,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=template_kwargs,
-            tool_format=client.tool_format,
+            tool_format=model_tool_format(client),
         )
     except TemplateRenderError as error:
         raise ChatRequestError(str(error), "chat_template") from error
@@ -148,7 +149,7 @@ def prepare_chat(
     check_rendered: called with the rendered text before it is tokenized (the server
     refuses a prompt that cannot fit there, without tokenizing it).
     """
-    plan = (options or ChatOptions()).plan(client.tool_format)
+    plan = (options or ChatOptions()).plan(model_tool_format(client))
     check_message_text(messages)
     guard = ContentGuard(client.tokenizer) if split_special_tokens else None
     text = render_chat(

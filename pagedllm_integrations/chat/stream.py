@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from ..engine.client import EngineClient
 from ..engine.output_processor import RequestGroup
 from ..engine.outputs import CompletionOutput, RequestOutput
-from ..engine.tool_calls import CALL_OPEN
 from .outputs import ChatChoice, read_choice
+from .tool_calls import CALL_OPEN
 from .tool_choice import ToolPlan
 
 

@@ -24,6 +24,7 @@ from .errors import ChatRequestError
 from .prepare import prompt_token_ids, render_chat
 from .special_tokens import ContentGuard
 from .tool_choice import plan_tools
+from .tool_formats import model_tool_format
 
 # A system message put in front of a conversation that has none, so that the template adds
 # no default system prompt; its own tokens are subtracted again.
@@ -36,7 +37,7 @@ def count_chat_tokens(client: EngineClient, messages: list[dict], tools: list | 
     system prompt (see the module docstring). An empty conversation counts 0."""
     if not messages:
         return 0
-    plan = plan_tools(tools, tool_format=client.tool_format)
+    plan = plan_tools(tools, tool_format=model_tool_format(client))
     guard = ContentGuard(client.tokenizer)
     marked = guard.mark_messages(messages)
     marked_tools = guard.mark_value(plan.tools) if plan.tools else plan.tools

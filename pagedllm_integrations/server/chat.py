@@ -18,9 +18,9 @@ from starlette.responses import Response, StreamingResponse
 
 from ..chat.outputs import ChatChoice, Usage, read_choice
 from ..chat.prepare import ChatOptions, ChatPrompt, prepare_chat
+from ..chat.tool_formats import template_text
 from ..engine.output_processor import RequestGroup
 from ..engine.request_limits import check_schema
-from ..engine.tool_formats import template_text
 from .chat_stream import choice_logprobs, stream_chat
 from .errors import APIError
 from .legacy_functions import history_message, legacy_message, tools_and_choice

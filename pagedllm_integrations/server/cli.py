@@ -235,9 +235,9 @@ def run(args: argparse.Namespace) -> int:
             embedding_engine=embedding_engine,
             embedding_model_name=args.embedding_served_model_name,
         )
-        config = server_config(app, args.host, args.port, args.uvicorn_log_level)
+        uvicorn_config = server_config(app, args.host, args.port, args.uvicorn_log_level)
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, args.host, args.port)
-        GracefulServer(config, shutdown_timeout=args.shutdown_timeout).run()
+        GracefulServer(uvicorn_config, shutdown_timeout=args.shutdown_timeout).run()
     finally:
         engine.shutdown()
         if embedding_engine is not None:

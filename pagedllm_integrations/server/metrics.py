@@ -128,7 +128,7 @@ class PrometheusStatLogger:
         self._spec_total = SpecDecodingStats()
         self._lock = threading.Lock()
         # prefix queries, prefix hits, preemptions, disk-loaded and disk-written tokens
-        self._last_cumulative = (0, 0, 0, 0, 0)
+        self._last_cumulative: tuple[int, ...] = (0, 0, 0, 0, 0)
 
     # ----------------------------------------------------- engine thread, every step
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:

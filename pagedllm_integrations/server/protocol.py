@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..chat.chat_messages import not_text_message
 from ..chat.errors import ChatRequestError
-from ..engine.chat_messages import not_text_message
 
 # Bounds that keep one request from exhausting the server (vLLM has none; OpenAI's are lower).
 MAX_N = 128

@@ -72,7 +72,7 @@ class ToolCallFormat:
 
     def constraint_grammar(self, tools: list[dict], parallel: bool, max_calls: int) -> str:
         """A grammar for one call of any of `tools` (1..max_calls calls when parallel)."""
-        from .structured_outputs import tagged_json_grammar
+        from ..engine.structured_outputs import tagged_json_grammar
 
         alternatives = self.call_alternatives(tools)
         if parallel and max_calls > 1:
@@ -275,7 +275,7 @@ class Phi4Format(ToolCallFormat):
         """Several calls are one JSON list inside one <|tool_call|> block."""
         if not (parallel and max_calls > 1):
             return super().constraint_grammar(tools, parallel, max_calls)
-        from .structured_outputs import tagged_json_grammar, wrap_grammar
+        from ..engine.structured_outputs import tagged_json_grammar, wrap_grammar
 
         items = [
             (
@@ -401,6 +401,12 @@ def tool_format_for(tokenizer: Any, architecture: str | None = None) -> ToolCall
     return HERMES
 
 
+def model_tool_format(client: Any) -> ToolCallFormat:
+    """The tool-call markup the model an `EngineClient` serves was trained on: what the chat
+    layer renders tools in, forces calls in and parses calls from."""
+    return tool_format_for(client.tokenizer, client.model_info.architecture)
+
+
 def resolve_format(tool_format: ToolCallFormat | str | None) -> ToolCallFormat:
     if tool_format is None:
         return HERMES
@@ -415,6 +421,7 @@ __all__ = [
     "FORMATS",
     "ToolCallFormat",
     "call_from_object",
+    "model_tool_format",
     "resolve_format",
     "template_renders_tools",
     "tool_format_for",

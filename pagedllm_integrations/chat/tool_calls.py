@@ -1,8 +1,8 @@
 """Tool (function) calling: tool specs, chat prompts with tools, forced calls, call parsing.
 
 The markup of calls is the model's own (`tool_formats.py`: Hermes/Qwen `<tool_call>` JSON,
-Phi-4-mini's `<|tool_call|>[...]`, Gemma's JSON calls); the engine picks it once from the
-model (`LLMEngine.tool_format`) and front ends pass it to these functions. Without one they
+Phi-4-mini's `<|tool_call|>[...]`, Gemma's JSON calls), read from the model's chat template
+(`model_tool_format(client)`) and passed to these functions. Without one they
 use the Hermes / Qwen markup, which many open models were trained on:
 
     <tool_call>
@@ -22,6 +22,8 @@ import copy
 import logging
 from typing import Any
 
+from ..engine.request_limits import MAX_TOOLS, SchemaBudget, check_text
+from ..engine.sampling_params import StructuredOutputsParams
 from .chat_messages import (
     EMPTY_PARAMETERS,
     ToolCall,
@@ -29,8 +31,7 @@ from .chat_messages import (
     check_messages,
     new_call_id,
 )
-from .request_limits import MAX_TOOLS, SchemaBudget, check_text
-from .sampling_params import StructuredOutputsParams
+from .errors import ChatRequestError
 from .tool_formats import FORMATS, HERMES, ToolCallFormat, resolve_format, tool_format_for
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ __all__ = [
     "call_entries",
     "format_call",
     "new_call_id",
+    "normalize_tool_choice",
     "normalize_tools",
     "parse_tool_calls",
     "render_chat_prompt",
@@ -117,36 +119,73 @@ def normalize_tools(tools: list) -> list[dict]:
     return normalized
 
 
-def _tool_choice_name(tool_choice: Any) -> str | None:
-    """The forced tool's name for a named tool_choice, else None."""
-    if isinstance(tool_choice, dict):
+# ------------------------------------------------------------------- tool_choice
+NamedChoice = dict[str, Any]  # {"type": "function", "function": {"name": ...}}
+
+
+def normalize_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | NamedChoice:
+    """ "auto", "none", "required" or {"type": "function", "function": {"name": ...}}.
+
+    Accepts OpenAI's values, LangChain's ("any", True for the only tool, False, a tool
+    name, {"name": ...}) and None (auto when tools are given, else none). ValueError for
+    anything else, for a name that is not among `tools` (normalized tool dicts), and for
+    a forced call without tools.
+    """
+    names = [t["function"]["name"] for t in tools or []]
+    if tool_choice is None:
+        return "auto" if names else "none"
+    if tool_choice is False or tool_choice == "none":
+        return "none"
+    if tool_choice == "auto":
+        return "auto"
+    if tool_choice in ("any", "required"):
+        if not names:
+            raise ChatRequestError(
+                f"tool_choice {tool_choice!r} forces a tool call but no tools were given",
+                "tool_choice",
+            )
+        return "required"
+    if tool_choice is True:
+        if len(names) != 1:
+            raise ChatRequestError(
+                f"tool_choice=True needs exactly one tool, got {len(names)}; name the tool instead",
+                "tool_choice",
+            )
+        tool_choice = names[0]
+    name: Any
+    if isinstance(tool_choice, str):
+        name = tool_choice
+    elif isinstance(tool_choice, dict):
+        if tool_choice.get("type", "function") != "function":
+            raise ChatRequestError(
+                f"tool_choice type must be 'function', got {tool_choice!r}", "tool_choice"
+            )
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else tool_choice.get("name")
         if not isinstance(name, str) or not name:
-            raise ValueError(
-                "a dict tool_choice must look like {'type': 'function', 'function': "
-                f"{{'name': ...}}}}, got {tool_choice!r}"
-            )
-        return name
-    if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required", "any"):
-        return tool_choice
-    return None
+            raise ChatRequestError(f"tool_choice {tool_choice!r} names no function", "tool_choice")
+    else:
+        raise ChatRequestError(
+            "tool_choice must be 'auto', 'none', 'required'/'any', a tool name or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}; got {tool_choice!r}",
+            "tool_choice",
+        )
+    if name not in names:
+        raise ChatRequestError(
+            f"tool_choice names tool {name!r}, but the tools given are {names} "
+            f"({name!r} is not among them)",
+            "tool_choice",
+        )
+    return {"type": "function", "function": {"name": name}}
 
 
-def _choice_mode(tool_choice: Any) -> str:
-    """'auto', 'none', 'required' or 'named'."""
-    if tool_choice is None or tool_choice is False or tool_choice == "auto":
-        return "auto"
-    if tool_choice == "none":
-        return "none"
-    if tool_choice is True or tool_choice in ("required", "any"):
-        return "required"
-    if _tool_choice_name(tool_choice) is not None:
-        return "named"
-    raise ValueError(
-        f"tool_choice must be 'auto', 'none', 'required'/'any', a tool name or "
-        f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
-    )
+def _read_choice(tool_choice: Any, tools: list[dict]) -> tuple[str, str | None]:
+    """(mode, forced tool): mode 'auto', 'none', 'required' or 'named', as the one reader
+    (`normalize_tool_choice`) reads `tool_choice` against the normalized `tools`."""
+    choice = normalize_tool_choice(tool_choice, tools)
+    if isinstance(choice, dict):
+        return "named", choice["function"]["name"]
+    return choice, None
 
 
 # ---------------------------------------------------------------------- constraint
@@ -161,25 +200,18 @@ def tool_call_constraint(
     """A grammar that forces tool calls (in `tool_format`'s markup; default Hermes), or None
     when the output stays free text.
 
-    None for tool_choice "auto" / "none" / None. "required" / "any" / True: one call of any
-    defined tool (with parallel_tool_calls: 1..max_calls calls, newline-separated; the bound
-    keeps a small model from repeating calls until max_tokens) whose arguments are
-    valid against that tool's schema. A tool name or {"type": "function", "function":
-    {"name": ...}}: a call of that tool. ValueError for an unknown tool name or no tools.
+    `tool_choice` in any spelling `normalize_tool_choice` reads. None for "auto" / "none".
+    "required": one call of any defined tool (with parallel_tool_calls: 1..max_calls calls,
+    newline-separated; the bound keeps a small model from repeating calls until max_tokens)
+    whose arguments are valid against that tool's schema. A named tool: a call of that
+    tool. ValueError for an unknown tool name or no tools.
     """
-    mode = _choice_mode(tool_choice)
+    normalized = normalize_tools(tools or [])
+    mode, forced = _read_choice(tool_choice, normalized)
     if mode in ("auto", "none"):
         return None
-    normalized = normalize_tools(tools or [])
-    if not normalized:
-        raise ValueError(f"tool_choice {tool_choice!r} needs at least one tool")
-    if mode == "named":
-        name = _tool_choice_name(tool_choice)
-        chosen = [t for t in normalized if t["function"]["name"] == name]
-        if not chosen:
-            known = [t["function"]["name"] for t in normalized]
-            raise ValueError(f"tool_choice names tool {name!r}, which is not among {known}")
-        normalized = chosen
+    if forced is not None:
+        normalized = [t for t in normalized if t["function"]["name"] == forced]
     grammar = resolve_format(tool_format).constraint_grammar(
         normalized, parallel_tool_calls, max_calls
     )
@@ -224,11 +256,10 @@ def render_chat_prompt(
 
     template_kwargs: more variables for the chat template (e.g. enable_thinking).
     """
-    mode = _choice_mode(tool_choice)
-    normalized = normalize_tools(tools or []) if mode != "none" else []
-    forced = _tool_choice_name(tool_choice) if mode == "named" else None
-    if forced is not None and forced not in {t["function"]["name"] for t in normalized}:
-        raise ValueError(f"tool_choice names tool {forced!r}, which is not among the tools")
+    normalized = normalize_tools(tools or [])
+    mode, forced = _read_choice(tool_choice, normalized)
+    if mode == "none":
+        normalized = []
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template; cannot render chat messages")
     check_messages(messages)
@@ -251,8 +282,9 @@ def format_call(name: str, arguments: dict, tool_format: ToolFormatArg = None) -
 
 
 def tools_system_section(
-    tools: list[dict], tool_choice: Any, mode: str, tool_format: ToolFormatArg = None
+    tools: list[dict], tool_choice: Any, tool_format: ToolFormatArg = None
 ) -> str:
     """The system-prompt section that lists the tools, for a template that does not."""
-    forced = _tool_choice_name(tool_choice) if mode == "named" else None
-    return resolve_format(tool_format).tools_section(tools, mode, forced)
+    normalized = normalize_tools(tools)
+    mode, forced = _read_choice(tool_choice, normalized)
+    return resolve_format(tool_format).tools_section(normalized, mode, forced)

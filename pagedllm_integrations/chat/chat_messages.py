@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .request_limits import check_schema
+from ..engine.request_limits import check_schema
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .awq_format import AWQConfig
-from .quantizer import (
+from .quant.awq_format import AWQConfig
+from .quant.quantizer import (
+    DEFAULT_CALIBRATION,
     QuantizeOptions,
     QuantizeReport,
     awq_quantize_model,
@@ -23,8 +24,6 @@ from .quantizer import (
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
 
 
 def read_calibration_text(path: Path) -> list[str]:
@@ -52,7 +51,7 @@ def load_float_model(folder: Path):
     """transformers' own implementation of the model, in float32 (the calibration vehicle)."""
     from transformers import AutoTokenizer
 
-    from ..engine.gguf_loader import load_with_transformers
+    from .engine.gguf_loader import load_with_transformers
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = load_with_transformers(folder, dtype=torch.float32)
@@ -66,7 +65,7 @@ def quantize_checkpoint(
     options: QuantizeOptions | None = None,
 ) -> QuantizeReport:
     """Resolve `model` (folder, GGUF, hub id, None = embedded default), quantize, write `out`."""
-    from ..engine.model_loader import read_config, resolve_model
+    from .engine.model_loader import read_config, resolve_model
 
     options = options or QuantizeOptions()
     source = resolve_model(model)
