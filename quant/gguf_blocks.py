@@ -19,7 +19,9 @@ packed format with the values llama.cpp dequantizes it to (see quant/packed.py):
 
 d, m, dmin are fp16; sc_j, m_j are 4- or 6-bit integers (K-quants) or int8 (Q6_K): every
 scale and min is exact in float32. These are every type llama-quantize writes for its Q2_K
-to Q8_0 mixes (with their fallbacks for rows that are not whole 256-blocks). Other types
+to Q8_0 mixes (with their fallbacks for rows that are not whole 256-blocks). Every I8
+type but Q8_0 has q in -32..31, and the kernels hold those in 6 bits a value (i6 tiles,
+`PackedWeight.tile_kind`): a Q6_K tensor reads 6.6 bits a weight per token, not 8.6. Other types
 (F16, the IQ and ternary types) are dequantized once to bf16 by the caller
 (`dequantize_to`).
 """

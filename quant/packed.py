@@ -153,7 +153,8 @@ class PackedWeight:
         """The same values in the kernels' tile layout (needs the C++ kernels loaded): K
         factors where the weight has them, else its scales as they are."""
         ops = torch.ops.pagedllm
-        tiles = ops.tile_u4(self.qweight) if self.kind == "u4" else ops.tile_i8(self.qweight)
+        kind = self.tile_kind
+        tiles = {"u4": ops.tile_u4, "i6": ops.tile_i6, "i8": ops.tile_i8}[kind](self.qweight)
         if self.has_k_factors:
             assert self.scale_factors is not None
             scales = _tile_k_factors(self.scale_factors)
@@ -161,7 +162,18 @@ class PackedWeight:
         else:
             scales = _tile_lanes(self.scales)
             mins = None if self.mins is None else _tile_lanes(self.mins)
-        return TiledWeight(self.kind, tiles, scales, mins, self.group, self.shape)
+        return TiledWeight(kind, tiles, scales, mins, self.group, self.shape)
+
+    @property
+    def tile_kind(self) -> str:
+        """The kernels' tile format: u4, or for I8 weights i6 where every q fits in -32..31
+        (Q2_K to Q6_K: 6 bits a value in memory instead of 8, the same products), else i8."""
+        if self.kind == "u4":
+            return "u4"
+        if self.qweight.numel() == 0:
+            return "i8"
+        low, high = torch.aminmax(self.qweight)
+        return "i6" if int(low) >= -32 and int(high) <= 31 else "i8"
 
 
 def _tile_lanes(values: torch.Tensor) -> torch.Tensor:
@@ -189,12 +201,13 @@ class TiledWeight:
 
         u4  tiles uint8 [T, K/32, 4, 64]    T = ceil(N / 16) tiles of 16 output rows
         i8  tiles uint8 [T, K/4, 64]        q + 128
+        i6  tiles uint8 [T, K/16, 192]      q + 32 in 6 bits (an I8 weight whose q fit)
         scales, mins [T, K/G, 16]           float32 or float16, as the PackedWeight had them,
                      or uint8 [T, K/G * 16 + K/256 * 64]: a K-quant's two levels per tile
 
     The values are those of the PackedWeight it came from, exactly (`dequantize`)."""
 
-    kind: str  # "u4" | "i8"
+    kind: str  # "u4" | "i8" | "i6" (the i8 ops take i6 tiles too)
     tiles: torch.Tensor
     scales: torch.Tensor  # float32 / float16 [T, K/G, 16], or uint8 K factors [T, bytes]
     mins: torch.Tensor | None

@@ -144,7 +144,8 @@ def _family_config(kind: str, vocab: int, ids: dict[str, Any], **overrides: Any)
         settings: dict[str, Any] = dict(num_key_value_heads=2)
         settings.pop("head_dim", None)
         if kind == "phi4_mini":  # partial rotary and longrope, as Phi-4-mini
-            rotary = 16 * 3 // 4
+            head = overrides.get("hidden_size", 64) // overrides.get("num_attention_heads", 4)
+            rotary = head * 3 // 4
             generator = torch.Generator().manual_seed(1)
             settings.update(
                 max_position_embeddings=256,

@@ -49,7 +49,8 @@ CHILD = textwrap.dedent(
         if kind == "u4":
             out.append(ops.u4_tiled_linear(x, ops.tile_u4(q), scales, mins, n))
         else:
-            out.append(ops.i8_tiled_linear(x, ops.tile_i8(q), scales, mins, group, n))
+            tiles = ops.tile_i6(q) if kind == "i6" else ops.tile_i8(q)
+            out.append(ops.i8_tiled_linear(x, tiles, scales, mins, group, n))
     torch.save(out, io + "/out.pt")
     """
 )
@@ -69,19 +70,22 @@ def cases() -> list[tuple]:
         scales = torch.rand(n, k // group, generator=g) * 0.01
         mins = torch.randn(n, k // group, generator=g) * 0.01 if with_mins else None
         weights.append(PackedWeight("i8", q, scales, mins, group, (n, k)))
+        # The same in 6 bits (i6 tiles: Q5_0 to Q6_K)
+        weights.append(PackedWeight("i8", q // 4, scales, mins, group, (n, k)))
     x = torch.randn(7, k, generator=g) * 2  # AVX2: u4 passes of 6 + 1 rows, i8 of 4 + 3
     out = []
     for w in weights + k_factor_weights(n, g):
         tiled = w.tiled()
         mins = tiled.mins if tiled.mins is not None else torch.empty(0)
         rows = x if w.shape[1] == k else torch.randn(7, w.shape[1], generator=g) * 2
-        out.append((w.kind, w.qweight, tiled.scales, mins, w.group, n, rows))
+        out.append((tiled.kind, w.qweight, tiled.scales, mins, w.group, n, rows))
     return out
 
 
 def k_factor_weights(n: int, g: torch.Generator) -> list[PackedWeight]:
     """Weights whose scales (and mins) are a K-quant's two levels, K = 512: u4 with mins
-    (Q4_K), i8 in groups of 16 (Q6_K, signed multipliers) and of 32 with mins (Q5_K)."""
+    (Q4_K), i8 in groups of 16 (signed multipliers) and of 32 with mins, and i6 in groups of
+    16 (Q6_K)."""
     from pagedllm_integrations.quant.packed import KFactors
 
     k = 512
@@ -95,19 +99,24 @@ def k_factor_weights(n: int, g: torch.Generator) -> list[PackedWeight]:
         return parts.factors.repeat_interleave(256 // group, dim=1) * parts.multipliers.float()
 
     weights = []
-    for kind, group, with_mins in (("u4", 32, True), ("i8", 16, False), ("i8", 32, True)):
+    for kind, group, with_mins in (
+        ("u4", 32, True), ("i8", 16, False), ("i8", 32, True), ("i6", 16, False)
+    ):
         if kind == "u4":
             q = quantize_u4(torch.randn(n, k, generator=g)).qweight
-        else:
-            q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-        scale_parts = factors(group, signed=kind == "i8" and group == 16)
+        else:  # i6: Q6_K's q in -32..31
+            low = -32 if kind == "i6" else -128
+            q = torch.randint(low, -low, (n, k), dtype=torch.int8, generator=g)
+        scale_parts = factors(group, signed=kind != "u4" and group == 16)
         min_parts = factors(group, signed=False) if with_mins else None
         mins = None if min_parts is None else -values(min_parts, group)
         if min_parts is not None:  # mins are -dmin * m: the factor carries the sign
             min_parts = KFactors(min_parts.multipliers, -min_parts.factors)
         weight = PackedWeight(
-            kind, q, values(scale_parts, group), mins, group, (n, k), scale_parts, min_parts
+            "u4" if kind == "u4" else "i8", q, values(scale_parts, group), mins, group, (n, k),
+            scale_parts, min_parts,
         )
+        assert weight.tile_kind == kind
         assert weight.tiled().scales.dtype == torch.uint8  # the kernels' KScale form
         weights.append(weight)
     return weights
@@ -129,7 +138,8 @@ def test_packed_linears_give_the_same_bits_on_every_instruction_set(flags, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = torch.load(tmp_path / "out.pt")
     for (kind, q, scales, mins, group, n, x), other in zip(inputs, theirs):
-        tiles = torch.ops.pagedllm.tile_u4(q) if kind == "u4" else torch.ops.pagedllm.tile_i8(q)
+        tile = {"u4": "tile_u4", "i6": "tile_i6", "i8": "tile_i8"}[kind]
+        tiles = getattr(torch.ops.pagedllm, tile)(q)
         if kind == "u4":
             ours = torch.ops.pagedllm.u4_tiled_linear(x, tiles, scales, mins, n)
         else:

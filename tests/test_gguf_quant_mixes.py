@@ -60,7 +60,7 @@ def checkpoints(tmp_path_factory):
     def get(kind: str):
         if kind not in made:
             shape = dict(SHAPE, **EXTRA.get(kind, {}))
-            if kind == "phi3":
+            if kind in ("phi3", "phi4_mini"):
                 shape.pop("head_dim")  # Phi-3 derives it from hidden / heads
             folder = tmp_path_factory.mktemp(kind)
             made[kind] = make_family_checkpoint(folder, kind, shards=1, **shape)
@@ -107,8 +107,8 @@ def test_every_preset_loads_on_the_fast_path(preset, checkpoints, tmp_path):
 
 
 def test_q4_k_m_stacks_two_formats_in_one_qkv(checkpoints, tmp_path):
-    """Layer 1's v is Q6_K beside a Q4_K q and k: one C++ Linear of a u4 and an i8
-    segment; layer 0's qkv is one u4 segment."""
+    """Layer 1's v is Q6_K beside a Q4_K q and k: one C++ Linear of a u4 and an i6
+    segment (Q6_K's q in 6 bits); layer 0's qkv is one u4 segment."""
     types = check_mix(checkpoints("llama"), tmp_path, "Q4_K_M")
     assert types["blk.1.attn_v.weight"] == "Q6_K" and types["blk.1.attn_q.weight"] == "Q4_K"
     assert types["blk.0.attn_v.weight"] == "Q4_K"
@@ -116,7 +116,7 @@ def test_q4_k_m_stacks_two_formats_in_one_qkv(checkpoints, tmp_path):
     path = tmp_path / "Q4_K_M.gguf"
     with LLM(str(path), disable_log_stats=True, max_model_len=64) as llm:
         layers = llm.engine.engine.model.layers
-        assert layers[1].self_attn.qkv_proj.kernel.segment_formats() == ["u4/32", "i8/16"]
+        assert layers[1].self_attn.qkv_proj.kernel.segment_formats() == ["u4/32", "i6/16"]
         assert layers[0].self_attn.qkv_proj.kernel.segment_formats() == ["u4/32"]
 
 

@@ -83,7 +83,8 @@ def kernel_cases() -> list[tuple[str, list, int | None]]:
         if kind == "u4":
             linears.append(("u4_tiled_linear", [x, ops.tile_u4(q), scales, mins, n], None))
         else:
-            linears.append(("i8_tiled_linear", [x, ops.tile_i8(q), scales, mins, group, n], None))
+            tiles = ops.tile_i6(q) if kind == "i6" else ops.tile_i8(q)
+            linears.append(("i8_tiled_linear", [x, tiles, scales, mins, group, n], None))
     return vector_kernel_cases() + linears
 
 

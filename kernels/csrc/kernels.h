@@ -28,11 +28,12 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
 Tensor bf16_linear(const Tensor& x, const Tensor& weight, Tensor* out = nullptr);
 Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                        const Tensor& mins, int64_t n, Tensor* out = nullptr);
+// The signed-byte formats: tiles from tile_i8 ([T, K/4, 64]) or tile_i6 ([T, K/16, 192]).
 Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                        const Tensor& mins, int64_t group, int64_t n, Tensor* out = nullptr);
 // The gate_up linear of a tiled weight [N, K] (gate rows 0..N/2-1, then up) and the
 // gated activation at once: x [M, K] -> [M, N/2], as gated_act(linear(x)) gives it.
-// `format_u4`: u4 tiles (else i8); N % 32 == 0.
+// `format_u4`: u4 tiles (else i8 or i6); N % 32 == 0.
 Tensor gated_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                           const Tensor& mins, int64_t group, int64_t n, bool format_u4,
                           bool gelu, Tensor* out = nullptr);

@@ -42,7 +42,9 @@ std::vector<std::string> Linear::segment_formats() const {
   std::vector<std::string> formats;
   for (const WeightSegment& s : segments_) {
     if (s.kind == WeightKind::kBf16) formats.push_back("bf16");
-    else formats.push_back((s.kind == WeightKind::kU4 ? "u4/" : "i8/") + std::to_string(s.group));
+    else if (s.kind == WeightKind::kU4) formats.push_back("u4/" + std::to_string(s.group));
+    else  // i8 and i6 tiles run as one kind, told apart by their shape ([T, K/16, 192]: i6)
+      formats.push_back((s.weight.size(-1) == 192 ? "i6/" : "i8/") + std::to_string(s.group));
   }
   return formats;
 }

@@ -4,7 +4,7 @@
 // One segment is the common case (a whole q|k|v stack in Q4_K). Several arise where the
 // checkpoint's shards differ in format: llama-quantize's Q4_K_M writes attn_q and attn_k in
 // Q4_K and attn_v in Q6_K in half of the layers, so a stacked qkv is a u4 segment of q|k
-// rows and an i8 segment of v rows. Each segment's columns are the bits its own linear
+// rows and an i6 segment of v rows. Each segment's columns are the bits its own linear
 // would give: the activations are quantized once per call and a quantized row is the same
 // whichever weight it meets (linear_packed.cpp).
 //
@@ -12,6 +12,7 @@
 //   bf16                     weight bf16 [rows, K]
 //   u4 (groups of 32)        tiles uint8 [T, K/32, 4, 64], scales, mins [T, K/32, 16]
 //   i8 (groups of 16, 32)    tiles uint8 [T, K/4, 64], scales, mins (or empty) [T, K/G, 16]
+//   i6 (groups of 16, 32)    tiles uint8 [T, K/16, 192], scales, mins as i8's
 //                            (T = ceil(rows / 16); quant/packed.py's TiledWeight)
 //   bias                     float32 [N] or empty
 //
@@ -48,7 +49,7 @@ class Linear : public torch::CustomClassHolder {
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
   int64_t num_segments() const { return static_cast<int64_t>(segments_.size()); }
-  // "bf16", "u4/32", "i8/16" ... per segment, for logs and tests.
+  // "bf16", "u4/32", "i8/32", "i6/16" ... per segment, for logs and tests.
   std::vector<std::string> segment_formats() const;
 
   // x [M, K] -> [M, N] float32, into `out` (contiguous float32 [M, N]) when given.

@@ -30,10 +30,21 @@
 //       tiles uint8 [T, K/32, 4, 64]: in group g, vector p (0..3), byte 4r + j holds
 //       q[16t + r, 32g + 4p + j] in its low nibble and q[16t + r, 32g + 4(p + 4) + j] in
 //       its high nibble
-//   i8  q in -128..127 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K); groups of 16 or 32
+//   i8  q in -128..127 (Q8_0); groups of 16 or 32
 //       tiles uint8 [T, K/4, 64]: vector p, byte 4r + j holds q[16t + r, 4p + j] + 128
 //       (vpdpbusd takes unsigned weights; the 128 * sum(qx) it adds is subtracted; AMX
 //       multiplies signed bytes, q + 128 xor 128)
+//   i6  q in -32..31 (Q5_0, Q5_1, Q5_K, Q6_K): the i8 vectors in 6 bits a value; groups of
+//       16 or 32. u = q + 32 (0..63); per quad of 16 K values (i8 vectors p = 0..3 of the
+//       quad) 192 bytes, tiles uint8 [T, K/16, 192]:
+//         bytes   0..63   u's low nibbles: vector 0 in the low half of each byte, 1 high
+//         bytes  64..127  the same for vectors 2 and 3
+//         bytes 128..191  u's top 2 bits: vector p at bits 2p, 2p + 1
+//       byte 4r + j of each part belongs to row r and K value 4p + j, as in i8. Unpacked,
+//       the vectors are u (vpdpbusd, 32 * sum(qx) subtracted) or u - 32 (AVX2, AMX): the
+//       same integer sums as i8 tiles of the same q, so the same bits, from 25% fewer
+//       bytes (Q6_K is llama-quantize's choice for the LM head, attn_v and ffn_down of
+//       Q4_K_M files; a memory-bound decode reads every byte once per token).
 //   scales, mins [T, K/G, 16] float32 (or float16 where every value is exact there):
 //       element [t, g, r] belongs to row 16t + r.
 //   T = ceil(N / 16); rows beyond N are zero.
@@ -294,7 +305,50 @@ QuantizedRows quantize_activations(const Tensor& x) {
 // ------------------------------------------------------------------ formats
 // A tile's view of one format: where group g's bytes start, and how many 64-byte vectors
 // it spans. Both formats hold 16 rows x 4 K values per vector.
-enum class Format { kU4, kI8 };
+enum class Format { kU4, kI8, kI6 };
+
+constexpr int64_t kI6QuadBytes = 192;  // an i6 tile's 16 K values: 16 rows x 16 x 6 bits
+
+// The bytes of a tile's G K values (its 16 rows) in each format.
+template <Format F>
+constexpr int64_t tile_group_bytes(int G) {
+  return F == Format::kU4 ? G * 8 : F == Format::kI8 ? G * 16 : G / 16 * kI6QuadBytes;
+}
+
+// What the unsigned weight bytes of the signed formats add to q: vpdpbusd's sum is
+// sum((q + offset) * qx), and offset * sum(qx) is taken off.
+template <Format F>
+constexpr int32_t byte_offset() {
+  return F == Format::kI8 ? 128 : F == Format::kI6 ? 32 : 0;
+}
+
+// The signed-byte format of tiles made by tile_i8 ([T, K/4, 64]) or tile_i6 ([T, K/16,
+// 192]): the ops take both where they take "i8" tiles, told apart by the tensor's shape.
+inline Format signed_format(const Tensor& tiles) {
+  return tiles.dim() == 3 && tiles.size(2) == kI6QuadBytes ? Format::kI6 : Format::kI8;
+}
+
+inline Format tile_format(bool u4, const Tensor& tiles) {
+  return u4 ? Format::kU4 : signed_format(tiles);
+}
+
+// q of the weight at row `lane` of a tile and K index kk, for the scalar code.
+template <Format F>
+inline int32_t tile_value(const uint8_t* bytes, int64_t kk, int64_t lane) {
+  if constexpr (F == Format::kU4) {
+    const int64_t in_group = kk % 32, p = (in_group % 16) / 4, j = in_group % 4;
+    const uint8_t byte = bytes[(kk / 32) * 256 + p * 64 + lane * 4 + j];
+    return in_group < 16 ? (byte & 0x0F) : (byte >> 4);
+  } else if constexpr (F == Format::kI8) {
+    return static_cast<int32_t>(bytes[(kk / 4) * 64 + lane * 4 + kk % 4]) - 128;
+  } else {
+    const uint8_t* quad = bytes + (kk / 16) * kI6QuadBytes;
+    const int64_t p = (kk % 16) / 4, at = lane * 4 + kk % 4;
+    const int32_t low = (quad[(p / 2) * 64 + at] >> (4 * (p % 2))) & 0x0F;
+    const int32_t top = (quad[128 + at] >> (2 * p)) & 0x03;
+    return (low | (top << 4)) - 32;
+  }
+}
 
 struct TileData {
   const uint8_t* bytes;  // this tile's first byte
@@ -359,7 +413,8 @@ inline __m512 group_values16(const void* base, int64_t groups, int64_t g) {
 }
 
 // acc[l] += sum over j < 4 of w[4l + j] * x[4l + j] (w unsigned bytes, x signed), exactly.
-// kSmall: every w < 16 (u4), so one vpmaddubsw pair sum cannot saturate.
+// kSmall: every w < 64 (u4, i6), so one vpmaddubsw pair sum (at most 2 * 63 * 127) cannot
+// saturate int16.
 template <bool kSmall>
 inline __m512i dot_u8s8(__m512i acc, __m512i w, __m512i x) {
 #ifdef __AVX512VNNI__
@@ -386,6 +441,20 @@ inline __m512i broadcast4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
+
+// An i6 quad (kI6QuadBytes at `quad`) -> its 4 vectors of u = q + 32, in the i8 layout.
+// The 16-bit shifts move bits across the two bytes of a lane; the masks keep each byte's own.
+inline void unpack_i6_quad(const uint8_t* quad, __m512i (&u)[4]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i a = _mm512_loadu_si512(quad), b = _mm512_loadu_si512(quad + 64);
+  const __m512i c = _mm512_loadu_si512(quad + 128);
+  u[0] = _mm512_or_si512(_mm512_and_si512(a, nibble), _mm512_and_si512(_mm512_slli_epi16(c, 4), top));
+  u[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), nibble),
+                         _mm512_and_si512(_mm512_slli_epi16(c, 2), top));
+  u[2] = _mm512_or_si512(_mm512_and_si512(b, nibble), _mm512_and_si512(c, top));
+  u[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble),
+                         _mm512_and_si512(_mm512_srli_epi16(c, 2), top));
+}
 #endif
 
 // The float32 steps that follow a group's exact integer sum, for one output element (or 16
@@ -407,7 +476,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
   constexpr int kChains = MR <= kFewRowsChains ? 4 : MR <= kTwoChainRows ? 2 : 1;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t group_bytes = F == Format::kU4 ? G * 8 : G * 16;  // of the 16 rows
+  constexpr int64_t group_bytes = tile_group_bytes<F>(G);  // of the 16 rows
   for (int64_t g = 0; g < groups; ++g) {
     if constexpr (MR <= 2) {
       // Few rows: the weights stream from memory once, and the hardware prefetcher alone
@@ -448,13 +517,26 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
           isum[r][c_hi] = dot_u8s8<true>(isum[r][c_hi], hi, broadcast4(xr + 4 * p + 16));
         }
       }
-    } else {
+    } else if constexpr (F == Format::kI8) {
       const uint8_t* w = tile.bytes + k0 * 16;  // 64 bytes per 4 K values: G / 4 vectors
       for (int p = 0; p < G / 4; ++p) {
         const __m512i v = _mm512_loadu_si512(w + p * 64);
         for (int r = 0; r < MR; ++r) {
           const int8_t* xr = x.q + (r0 + r) * k + k0;
           isum[r][p % kChains] = dot_u8s8<false>(isum[r][p % kChains], v, broadcast4(xr + 4 * p));
+        }
+      }
+    } else {
+      const uint8_t* w = tile.bytes + g * group_bytes;
+      for (int quad = 0; quad < G / 16; ++quad) {
+        __m512i u[4];
+        unpack_i6_quad(w + quad * kI6QuadBytes, u);
+        for (int i = 0; i < 4; ++i) {
+          const int p = 4 * quad + i;
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* xr = x.q + (r0 + r) * k + k0;
+            isum[r][p % kChains] = dot_u8s8<true>(isum[r][p % kChains], u[i], broadcast4(xr + 4 * p));
+          }
         }
       }
     }
@@ -466,8 +548,8 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       if constexpr (kChains >= 2) exact = _mm512_add_epi32(exact, isum[r][1]);
       if constexpr (kChains == 4)
         exact = _mm512_add_epi32(exact, _mm512_add_epi32(isum[r][2], isum[r][3]));
-      if constexpr (F == Format::kI8)
-        exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(128 * x.sum<G>(r0 + r, g)));
+      if constexpr (byte_offset<F>() != 0)
+        exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(byte_offset<F>() * x.sum<G>(r0 + r, g)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
                                _mm512_mul_ps(s, _mm512_set1_ps(x.scale<G>(r0 + r, g))), acc[r]);
       if (mins != nullptr)
@@ -526,6 +608,25 @@ inline __m256i broadcast4_avx2(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Half `half` (rows 8 half .. 8 half + 7) of an i6 quad -> its 4 vectors of signed q.
+inline void unpack_i6_quad_half(const uint8_t* quad, int half, __m256i (&q)[4]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const __m256i offset = _mm256_set1_epi8(32);
+  auto load = [&](int part) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + part * 64 + 32 * half));
+  };
+  const __m256i a = load(0), b = load(1), c = load(2);
+  const __m256i u[4] = {
+      _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_slli_epi16(c, 4), top)),
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble),
+                      _mm256_and_si256(_mm256_slli_epi16(c, 2), top)),
+      _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_and_si256(c, top)),
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble),
+                      _mm256_and_si256(_mm256_srli_epi16(c, 2), top)),
+  };
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi8(u[i], offset);
+}
+
 // Pins a running sum in a register at this point. Integer adds reassociate freely, and GCC
 // used that to compute all 32 vpmaddubsw of a 4-row pass first and add them up after,
 // spilling most of them to the stack (the pass ran at a third of its issue rate).
@@ -541,7 +642,7 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
   const void* mins = tile.mins;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  constexpr int64_t group_bytes = F == Format::kU4 ? G * 8 : G * 16;  // of the 16 rows
+  constexpr int64_t group_bytes = tile_group_bytes<F>(G);  // of the 16 rows
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -573,11 +674,20 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
       }
       for (int r = 0; r < MR; ++r) exact[r] = _mm256_madd_epi16(pairs[r], ones);
     } else {
-      const uint8_t* w = tile.bytes + k0 * 16 + 32 * half;  // 64 bytes per 4 K values
+      // Vector p's signed q (16 rows x 4 K values, this half's 8 rows).
+      auto signed_q = [&](int p, __m256i (&quad)[4]) {
+        if constexpr (F == Format::kI8) {
+          const uint8_t* w = tile.bytes + (k0 + 4 * p) * 16 + 32 * half;
+          return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip);
+        } else {
+          if (p % 4 == 0) unpack_i6_quad_half(tile.bytes + g * group_bytes + (p / 4) * kI6QuadBytes, half, quad);
+          return quad[p % 4];
+        }
+      };
+      __m256i quad[4];
       for (int r = 0; r < MR; ++r) exact[r] = _mm256_setzero_si256();
       for (int p = 0; p < G / 4; ++p) {
-        const __m256i q = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64)), flip);
+        const __m256i q = signed_q(p, quad);
         const __m256i magnitude = _mm256_abs_epi8(q);  // -128 gives the byte 128: |q|
         for (int r = 0; r < MR; ++r) {
           const __m256i signed_x = _mm256_sign_epi8(broadcast4_avx2(x.q + (r0 + r) * k + k0 + 4 * p), q);
@@ -630,15 +740,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       for (int64_t g = 0; g < groups; ++g) {
         int32_t isum = 0;
         for (int64_t kk = g * G; kk < (g + 1) * G; ++kk) {
-          int32_t q;
-          if constexpr (F == Format::kU4) {
-            const int64_t in_group = kk % 32, p = (in_group % 16) / 4, j = in_group % 4;
-            const uint8_t byte = tile.bytes[(kk / 32) * 256 + p * 64 + lane * 4 + j];
-            q = in_group < 16 ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            q = static_cast<int32_t>(tile.bytes[(kk / 4) * 64 + lane * 4 + kk % 4]) - 128;
-          }
-          isum += q * x.q[row * k + kk];
+          isum += tile_value<F>(tile.bytes, kk, lane) * x.q[row * k + kk];
         }
         const float s = group_value<S, G>(tile.scales, groups, g, lane);
         acc = std::fma(static_cast<float>(isum), s * x.scale<G>(row, g), acc);
@@ -699,7 +801,8 @@ AmxRows amx_rows(const QuantizedRows& x, int64_t m) {
 
 // One weight tile's B tiles, int8 [K/G, G/4, 64] (signed: the exact q):
 //   u4: group g's 4 vectors of nibble pairs -> its low nibbles (K 0..15), then its high;
-//   i8: the tile's bytes hold q + 128, and q + 128 xor 128 is q as a signed byte.
+//   i8: the tile's bytes hold q + 128, and q + 128 xor 128 is q as a signed byte;
+//   i6: each quad unpacked to u = q + 32, less 32.
 template <Format F>
 void weight_groups(const uint8_t* bytes, int64_t k, uint8_t* out) {
   if constexpr (F == Format::kU4) {
@@ -712,10 +815,18 @@ void weight_groups(const uint8_t* bytes, int64_t k, uint8_t* out) {
                            _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
       }
     }
-  } else {
+  } else if constexpr (F == Format::kI8) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t v = 0; v < k / 4; ++v)
       _mm512_store_si512(out + v * 64, _mm512_xor_si512(_mm512_loadu_si512(bytes + v * 64), flip));
+  } else {  // i6: u - 32
+    const __m512i offset = _mm512_set1_epi8(32);
+    for (int64_t quad = 0; quad < k / 16; ++quad) {
+      __m512i u[4];
+      unpack_i6_quad(bytes + quad * kI6QuadBytes, u);
+      for (int i = 0; i < 4; ++i)
+        _mm512_store_si512(out + (4 * quad + i) * 64, _mm512_sub_epi8(u[i], offset));
+    }
   }
 }
 
@@ -836,12 +947,56 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
 }
 #endif
 
+// An i6 tile of K values -> the i8 tile of the same q (K * 16 bytes of q + 128).
+inline void unpack_i6_tile(const uint8_t* src, int64_t k, uint8_t* dst) {
+#ifdef PAGEDLLM_AVX512
+  const __m512i to_i8 = _mm512_set1_epi8(96);  // u + 96 = q + 128
+  for (int64_t quad = 0; quad < k / 16; ++quad) {
+    __m512i u[4];
+    unpack_i6_quad(src + quad * kI6QuadBytes, u);
+    for (int i = 0; i < 4; ++i)
+      _mm512_storeu_si512(dst + (4 * quad + i) * 64, _mm512_add_epi8(u[i], to_i8));
+  }
+#elif defined(PAGEDLLM_AVX2)
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // q xor 128 = q + 128
+  for (int64_t quad = 0; quad < k / 16; ++quad) {
+    for (int half = 0; half < 2; ++half) {
+      __m256i q[4];
+      unpack_i6_quad_half(src + quad * kI6QuadBytes, half, q);
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (4 * quad + i) * 64 + 32 * half),
+                            _mm256_xor_si256(q[i], flip));
+    }
+  }
+#else
+  for (int64_t kk = 0; kk < k; ++kk)
+    for (int64_t lane = 0; lane < kTile; ++lane)
+      dst[(kk / 4) * 64 + lane * 4 + kk % 4] =
+          static_cast<uint8_t>(tile_value<Format::kI6>(src, kk, lane) + 128);
+#endif
+}
+
 // Rows c0 .. c1 (at most kRowChunk) of x against one tile: out[r - c0] for each row,
 // rows out_stride apart; `ahead` (the tile this thread takes next, or null) is
 // prefetched by the first pass.
 template <Format F, int G, typename S>
 inline void tile_row_chunk(const TileData& tile, const QuantizedRows& x, int64_t c0, int64_t c1,
                            float* out, int64_t out_stride, int64_t lanes, const TileData* ahead) {
+  if constexpr (F == Format::kI6) {
+    if (c1 - c0 > kLastPassRows) {
+      // Several passes over the tile: unpack it once into i8 form (in L1/L2) rather than
+      // in every pass, and run the i8 code on it: the same integer sums, so the same bits.
+      // (At 16 rows, unpacking in each of the 4 passes took twice as long as i8 tiles.)
+      thread_local std::vector<uint8_t> unpacked;
+      const size_t bytes = static_cast<size_t>(x.k * kTile);
+      if (unpacked.size() < bytes) unpacked.resize(bytes);
+      unpack_i6_tile(tile.bytes, x.k, unpacked.data());
+      const TileData as_i8{unpacked.data(), tile.scales, tile.mins};
+      // `ahead` is read in i8 strides: it covers the next i6 tile and more (harmless).
+      tile_row_chunk<Format::kI8, G, S>(as_i8, x, c0, c1, out, out_stride, lanes, ahead);
+      return;
+    }
+  }
   int64_t r = c0;
   for (; c1 - r > kLastPassRows; r += kPassRows)
     tile_rows<F, G, kPassRows, S>(tile, x, r, out + (r - c0) * out_stride, out_stride, lanes,
@@ -953,10 +1108,14 @@ void check_tiles(const Tensor& tiles, const Tensor& scales, const Tensor& mins, 
   TORCH_CHECK(tiles.scalar_type() == at::kByte, "tiles must be uint8");
   TORCH_CHECK(k % 32 == 0, "K must be a multiple of 32, got ", k);
   TORCH_CHECK(group == 16 || group == 32, "groups must be 16 or 32 values, got ", group);
-  TORCH_CHECK(format == Format::kI8 || group == 32, "u4 groups are 32 values");
+  TORCH_CHECK(format != Format::kU4 || group == 32, "u4 groups are 32 values");
   const int64_t num_tiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(tiles.size(0) == num_tiles && tiles.numel() == num_tiles * k * kTile /
-                  (format == Format::kU4 ? 2 : 1), "tiles do not hold [", n, ", ", k, "]");
+  const int64_t tile_bytes = format == Format::kU4   ? k * kTile / 2
+                             : format == Format::kI8 ? k * kTile
+                                                     : k / 16 * kI6QuadBytes;
+  TORCH_CHECK(tiles.dim() > 0 && tiles.size(0) == num_tiles &&
+                  tiles.numel() == num_tiles * tile_bytes,
+              "tiles do not hold [", n, ", ", k, "]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf ||
                   scales.scalar_type() == at::kByte,
               "scales must be float32, float16 or uint8 (K-quant multipliers and factors)");
@@ -970,7 +1129,7 @@ void check_tiles(const Tensor& tiles, const Tensor& scales, const Tensor& mins, 
   TORCH_CHECK(mins.numel() == 0 || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
                                     mins.scalar_type() == scales.scalar_type()),
               "mins must be empty or shaped and typed like scales");
-  TORCH_CHECK(format == Format::kI8 || mins.numel() > 0, "u4 weights need mins");
+  TORCH_CHECK(format != Format::kU4 || mins.numel() > 0, "u4 weights need mins");
 }
 
 // fn(format, group, scale) with each as a compile-time value, for the kernels'
@@ -980,6 +1139,7 @@ template <typename Fn>
 void with_tile_format(Format format, int64_t group, const Tensor& scales, const Fn& fn) {
   using U4 = std::integral_constant<Format, Format::kU4>;
   using I8 = std::integral_constant<Format, Format::kI8>;
+  using I6 = std::integral_constant<Format, Format::kI6>;
   using G32 = std::integral_constant<int, 32>;
   using G16 = std::integral_constant<int, 16>;
   auto with_scales = [&](auto f, auto g) {
@@ -990,8 +1150,10 @@ void with_tile_format(Format format, int64_t group, const Tensor& scales, const 
     }
   };
   if (format == Format::kU4) with_scales(U4{}, G32{});
-  else if (group == 32) with_scales(I8{}, G32{});
-  else with_scales(I8{}, G16{});
+  else if (format == Format::kI8 && group == 32) with_scales(I8{}, G32{});
+  else if (format == Format::kI8) with_scales(I8{}, G16{});
+  else if (group == 32) with_scales(I6{}, G32{});
+  else with_scales(I6{}, G16{});
 }
 
 // What follows the linear: nothing, or the gated activation of a gate_up weight (gate
@@ -1029,8 +1191,7 @@ Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor&
 Tensor gated_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                           const Tensor& mins, int64_t group, int64_t n, bool format_u4,
                           bool gelu, Tensor* out = nullptr) {
-  return packed_linear_impl(x, tiles, scales, mins, group, n,
-                            format_u4 ? Format::kU4 : Format::kI8, out,
+  return packed_linear_impl(x, tiles, scales, mins, group, n, tile_format(format_u4, tiles), out,
                             gelu ? Epilogue::kGelu : Epilogue::kSilu);
 }
 
@@ -1041,7 +1202,7 @@ Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scale
 
 Tensor i8_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                        const Tensor& mins, int64_t group, int64_t n, Tensor* out = nullptr) {
-  return packed_linear_impl(x, tiles, scales, mins, group, n, Format::kI8, out);
+  return packed_linear_impl(x, tiles, scales, mins, group, n, signed_format(tiles), out);
 }
 
 // ------------------------------------------------------------------ repacking
@@ -1091,6 +1252,40 @@ Tensor tile_i8(const Tensor& qweight) {
   return out;
 }
 
+// i8 qweight int8 [N, K], every q in -32..31 -> i6 tiles uint8 [T, K/16, 192] (the layout
+// at the top of this file).
+Tensor tile_i6(const Tensor& qweight) {
+  check_cpu_contiguous(qweight, "qweight");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar, "i6 qweight must be int8 [N, K]");
+  const int64_t n = qweight.size(0), k = qweight.size(1), num_tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(k % 16 == 0, "i6 tiles need K a multiple of 16, got ", k);
+  if (qweight.numel() > 0) {
+    const auto [low, high] = at::aminmax(qweight);
+    TORCH_CHECK(low.item<int8_t>() >= -32 && high.item<int8_t>() <= 31,
+                "i6 tiles hold q in -32..31; this weight has ", int(low.item<int8_t>()), "..",
+                int(high.item<int8_t>()));
+  }
+  Tensor out = at::zeros({num_tiles, k / 16, kI6QuadBytes}, qweight.options().dtype(at::kByte));
+  const int8_t* src = qweight.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  // Whole tiles per thread (a byte holds values of one row only, but the top-bit bytes
+  // are or-ed into); padding rows hold q = 0, u = 32.
+  parallel_for(0, num_tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin * kTile; row < end * kTile; ++row) {
+      const int64_t t = row / kTile, r = row % kTile;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const int32_t q = row < n ? src[row * k + kk] : 0;
+        const uint32_t u = static_cast<uint32_t>(q + 32);
+        uint8_t* quad = dst + (t * (k / 16) + kk / 16) * kI6QuadBytes;
+        const int64_t p = (kk % 16) / 4, at = r * 4 + kk % 4;
+        quad[(p / 2) * 64 + at] |= static_cast<uint8_t>((u & 0x0F) << (4 * (p % 2)));
+        quad[128 + at] |= static_cast<uint8_t>((u >> 4) << (2 * p));
+      }
+    }
+  });
+  return out;
+}
+
 // The weight's values w[n, k] = fma(q, s, mn) in float32, for rows `ids` (an embedding
 // lookup) -> [len(ids), K]; ids must lie in 0..N-1.
 template <Format F, int G, typename S>
@@ -1104,14 +1299,7 @@ void lookup_rows(const int64_t* ids, int64_t count, const Tensor& tiles, const T
     const int64_t r = row % kTile;
     const TileData tile = w.tile(row / kTile);
     for (int64_t kk = 0; kk < k; ++kk) {
-      int32_t q;
-      if constexpr (F == Format::kU4) {
-        const int64_t in_group = kk % 32, p = (in_group % 16) / 4, j = in_group % 4;
-        const uint8_t byte = tile.bytes[(kk / 32) * 256 + p * 64 + r * 4 + j];
-        q = in_group < 16 ? (byte & 0x0F) : (byte >> 4);
-      } else {
-        q = static_cast<int32_t>(tile.bytes[(kk / 4) * 64 + r * 4 + kk % 4]) - 128;
-      }
+      const int32_t q = tile_value<F>(tile.bytes, kk, r);
       const float s = group_value<S, G>(tile.scales, groups, kk / G, r);
       const float mn = tile.mins != nullptr ? group_value<S, G>(tile.mins, groups, kk / G, r) : 0.f;
       out[i * k + kk] = std::fma(static_cast<float>(q), s, mn);
@@ -1122,7 +1310,7 @@ void lookup_rows(const int64_t* ids, int64_t count, const Tensor& tiles, const T
 // ids [*] -> float32 [*, K]: rows of a tiled weight (the embedding of a tied LM head).
 Tensor tiled_rows(const Tensor& ids_in, const Tensor& tiles, const Tensor& scales,
                   const Tensor& mins, int64_t group, int64_t n, int64_t k, bool is_u4) {
-  const Format format = is_u4 ? Format::kU4 : Format::kI8;
+  const Format format = tile_format(is_u4, tiles);
   check_tiles(tiles, scales, mins, n, k, group, format);
   Tensor ids = ids_in.to(at::kLong).contiguous();
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
@@ -1162,14 +1350,13 @@ void tiled_linear_parts(const Tensor& x_in, const std::vector<api::TiledPart>& p
   Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   for (const api::TiledPart& p : parts) {
-    const Format format = p.u4 ? Format::kU4 : Format::kI8;
-    check_tiles(*p.tiles, *p.scales, *p.mins, p.rows, k, p.group, format);
+    check_tiles(*p.tiles, *p.scales, *p.mins, p.rows, k, p.group, tile_format(p.u4, *p.tiles));
     TORCH_CHECK(p.col >= 0 && p.col + p.rows <= ldo, "a part's columns lie outside the output");
   }
   if (m == 0 || parts.empty()) return;
   const QuantizedRows qx = quantize_activations(x);
   for (const api::TiledPart& p : parts) {
-    with_tile_format(p.u4 ? Format::kU4 : Format::kI8, p.group, *p.scales,
+    with_tile_format(tile_format(p.u4, *p.tiles), p.group, *p.scales,
                      [&](auto f, auto g, auto s) {
                        constexpr Format F = decltype(f)::value;
                        constexpr int G = decltype(g)::value;
@@ -1188,7 +1375,7 @@ void tiled_linear_parts(const Tensor& x, const std::vector<TiledPart>& parts, fl
 }
 void check_tiled(const Tensor& tiles, const Tensor& scales, const Tensor& mins, int64_t n,
                  int64_t k, int64_t group, bool u4) {
-  check_tiles(tiles, scales, mins, n, k, group, u4 ? Format::kU4 : Format::kI8);
+  check_tiles(tiles, scales, mins, n, k, group, tile_format(u4, tiles));
 }
 Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                        const Tensor& mins, int64_t n, Tensor* out) {
@@ -1240,6 +1427,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         });
   m.def("tile_u4(Tensor qweight) -> Tensor", &pagedllm::tile_u4);
   m.def("tile_i8(Tensor qweight) -> Tensor", &pagedllm::tile_i8);
+  m.def("tile_i6(Tensor qweight) -> Tensor", &pagedllm::tile_i6);
   m.def("tiled_rows(Tensor ids, Tensor tiles, Tensor scales, Tensor mins, int group, int n, "
         "int k, bool is_u4) -> Tensor", &pagedllm::tiled_rows);
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)",
