@@ -100,7 +100,10 @@ def k_factor_weights(n: int, g: torch.Generator) -> list[PackedWeight]:
 
     weights = []
     for kind, group, with_mins in (
-        ("u4", 32, True), ("i8", 16, False), ("i8", 32, True), ("i6", 16, False)
+        ("u4", 32, True),
+        ("i8", 16, False),
+        ("i8", 32, True),
+        ("i6", 16, False),
     ):
         if kind == "u4":
             q = quantize_u4(torch.randn(n, k, generator=g)).qweight
@@ -113,8 +116,14 @@ def k_factor_weights(n: int, g: torch.Generator) -> list[PackedWeight]:
         if min_parts is not None:  # mins are -dmin * m: the factor carries the sign
             min_parts = KFactors(min_parts.multipliers, -min_parts.factors)
         weight = PackedWeight(
-            "u4" if kind == "u4" else "i8", q, values(scale_parts, group), mins, group, (n, k),
-            scale_parts, min_parts,
+            "u4" if kind == "u4" else "i8",
+            q,
+            values(scale_parts, group),
+            mins,
+            group,
+            (n, k),
+            scale_parts,
+            min_parts,
         )
         assert weight.tile_kind == kind
         assert weight.tiled().scales.dtype == torch.uint8  # the kernels' KScale form

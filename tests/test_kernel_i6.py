@@ -41,17 +41,16 @@ def k_quant_weight(n: int, k: int, seed: int) -> PackedWeight:
     multipliers = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
     factors = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()
     scales = factors.repeat_interleave(16, dim=1) * multipliers.float()
-    return PackedWeight(
-        "i8", q, scales, None, 16, (n, k), KFactors(multipliers, factors), None
-    )
+    return PackedWeight("i8", q, scales, None, 16, (n, k), KFactors(multipliers, factors), None)
 
 
 def both_tilings(weight: PackedWeight) -> tuple:
     """(i6 tiled weight, the same with i8 tiles)."""
     six = weight.tiled()
     assert six.kind == "i6" and six.tiles.shape[-1] == 192
-    eight = type(six)("i8", ops().tile_i8(weight.qweight), six.scales, six.mins, six.group,
-                      six.shape)
+    eight = type(six)(
+        "i8", ops().tile_i8(weight.qweight), six.scales, six.mins, six.group, six.shape
+    )
     return six, eight
 
 
@@ -90,12 +89,18 @@ def test_a_fused_gate_up_over_i6_tiles_gives_the_bits_of_i8(gelu):
 
 def test_a_linear_names_its_i6_segment_and_gives_the_same_bits():
     v = six_bit_weight(32, 64, 16, False, 8)
-    q8 = PackedWeight("i8", torch.full((16, 64), -100, dtype=torch.int8), torch.rand(16, 2) * 0.01,
-                      None, 32, (16, 64))
+    q8 = PackedWeight(
+        "i8",
+        torch.full((16, 64), -100, dtype=torch.int8),
+        torch.rand(16, 2) * 0.01,
+        None,
+        32,
+        (16, 64),
+    )
     assert q8.tile_kind == "i8" and v.tile_kind == "i6"  # -100 does not fit in 6 bits
     linear = build_kernel_linear(64, [kernel_weight(q8), kernel_weight(v)], None)
     assert linear.segment_formats() == ["i8/32", "i6/16"]
-    six, eight = both_tilings(v)
+    _, eight = both_tilings(v)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
     assert torch.equal(ops().linear(linear, x)[:, 16:], eight.matmul(x))
 
@@ -103,7 +108,7 @@ def test_a_linear_names_its_i6_segment_and_gives_the_same_bits():
 def test_tile_i6_refuses_values_outside_six_bits():
     q = torch.zeros(16, 32, dtype=torch.int8)
     q[3, 5] = 32
-    with pytest.raises(RuntimeError, match="-32..31"):
+    with pytest.raises(RuntimeError, match=r"-32\.\.31"):
         ops().tile_i6(q)
 
 
