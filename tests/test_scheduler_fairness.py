@@ -199,3 +199,28 @@ def test_clients_and_short_first_finish_everything_under_memory_pressure(policy)
         step(scheduler)
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests)
     assert scheduler.kv.pool.num_free_blocks == 24
+
+
+def test_short_first_on_the_engine_gives_the_same_greedy_tokens_as_fcfs(default_llm):
+    # The order of service changes when each request runs, never what it generates: the
+    # default model's batches are bit-exact whatever their mix. Mixed lengths, so that
+    # short_first really reorders them and chunks the long ones around the short.
+    from pagedllm_integrations import LLM, SamplingParams
+
+    prompts = [
+        "Tell me a long story about a lighthouse keeper. " * 30,
+        "Hi!",
+        "List three rivers.",
+        "Describe the water cycle in detail. " * 12,
+    ]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (24, 4, 8, 16)]
+    expected = [out.outputs[0].token_ids for out in default_llm.generate(prompts, params)]
+    llm = LLM(
+        disable_log_stats=True, max_model_len=2048, max_num_seqs=32,
+        max_num_batched_tokens=64, scheduling_policy="short_first",
+    )  # fmt: skip
+    try:
+        got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+    assert got == expected

@@ -169,3 +169,18 @@ def test_the_default_share_is_a_quarter_of_the_queue(engine):
     app = create_app(engine)
     state = app.state.server
     assert state.clients.limit == state.max_queue_len // 4 == 128
+
+
+def test_serve_takes_the_policy_and_the_per_client_limit():
+    import argparse
+
+    from pagedllm_integrations.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, "serve")
+    args = parser.parse_args(["--scheduling-policy", "short_first", "--max-seqs-per-client", "8"])
+    assert (args.scheduling_policy, args.max_seqs_per_client) == ("short_first", 8)
+    defaults = parser.parse_args([])
+    assert (defaults.scheduling_policy, defaults.max_seqs_per_client) == ("fcfs", 128)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--scheduling-policy", "shortest"])
