@@ -30,7 +30,10 @@ from .request import Request
 from .scheduler_policy import SchedulingPolicy
 
 DEFAULT_EXPECTED_OUTPUT = 256  # output tokens assumed for a request without max_tokens
-DEFAULT_AGING_TOKENS_PER_S = 1000.0  # work tokens a request's wait is worth per second
+# Work tokens a second of waiting is worth. About the prefill speed of a small model on a
+# laptop CPU, so that a long request is passed only by the requests that arrive while it would
+# have been served alone; a faster engine may raise it (ShortFirstPolicy(aging_tokens_per_s)).
+DEFAULT_AGING_TOKENS_PER_S = 100.0
 
 
 def remaining_work(request: Request, default_output: int = DEFAULT_EXPECTED_OUTPUT) -> int:
