@@ -184,3 +184,19 @@ def test_serve_takes_the_policy_and_the_per_client_limit():
     assert (defaults.scheduling_policy, defaults.max_seqs_per_client) == ("fcfs", 128)
     with pytest.raises(SystemExit):
         parser.parse_args(["--scheduling-policy", "shortest"])
+
+
+def test_client_names_come_from_user_then_header_then_address():
+    from starlette.requests import Request
+
+    from pagedllm_integrations.server.clients import client_identity
+
+    def request(headers=(), host="10.0.0.7") -> Request:
+        raw = [(k.encode(), v.encode()) for k, v in headers]
+        return Request({"type": "http", "headers": raw, "client": (host, 5000)})
+
+    assert client_identity(request(), None) == "addr:10.0.0.7"
+    assert client_identity(request([(CLIENT_HEADER, "team-a")]), None) == "user:team-a"
+    assert client_identity(request([(CLIENT_HEADER, "team-a")]), "bob") == "user:bob"
+    long_name = client_identity(request(), "x" * 500)  # bounded, and still one per name
+    assert len(long_name) < 80 and long_name != client_identity(request(), "x" * 499)
