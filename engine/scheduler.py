@@ -121,7 +121,8 @@ class Scheduler:
             if num_new > 1 and self.enable_chunked_prefill:
                 # A prefill chunk: within its client's share, after the waiting requests
                 # that rank ahead of it (short_first). Held back, it keeps its blocks.
-                num_new = min(num_new, shares.cap(request) - self._reserved_ahead_of(request))
+                reserved = self._reserved_ahead_of(request, index)
+                num_new = min(num_new, shares.cap(request) - reserved)
                 if num_new <= 0:
                     index += 1
                     continue
@@ -176,14 +177,18 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         return self.proposer.propose(request, room) if room > 0 else []
 
-    def _reserved_ahead_of(self, request: Request) -> int:
-        """Tokens wanted by the waiting requests that rank ahead of a running `request` and
-        can be admitted now (room in max_num_seqs and free blocks); 0 unless the policy
-        lets waiting requests pass a running prefill."""
+    def _reserved_ahead_of(self, request: Request, index: int) -> int:
+        """Tokens a running prefill (`request`, at `index` in `running`) leaves to others when
+        the policy lets them pass it: one for each running decode ranked behind it (a decode
+        never waits for a prefill's chunk), and what the waiting requests that rank ahead of
+        it and can be admitted now (room in max_num_seqs and free blocks) want. 0 for
+        policies that do not yield (fcfs, priority: today's order)."""
         if not self.policy.yields_prefill:
             return 0
+        behind = self.running[index + 1 :]
+        reserved = sum(1 for r in behind if r.num_tokens - r.num_computed_tokens == 1)
         key = self.policy.sort_key(request)
-        reserved = blocks = 0
+        blocks = 0
         room = self.max_num_seqs - len(self.running)
         for waiting in self.waiting[:room]:
             if self.policy.sort_key(waiting) >= key:

@@ -139,6 +139,23 @@ def test_short_first_lets_a_chat_pass_a_running_long_prefill():
     assert steps_to_first_token(fcfs, chat) >= 400 // 32 - 1
 
 
+def test_short_first_never_holds_a_decode_back_for_a_prefill_chunk():
+    # A long request that has waited past its deadline ranks ahead of a newer short one;
+    # its prefill chunks still leave one token per step to the short one's decode.
+    scheduler = make_scheduler(budget=32, policy=ShortFirstPolicy(aging_tokens_per_s=100.0))
+    chat = req("chat", 4, max_tokens=6, arrival=50.0, start=9000)
+    scheduler.add_request(chat)
+    step(scheduler)  # the chat's prompt: it decodes from now on
+    long = req("long", 400, max_tokens=8, arrival=0.0)  # deadline 4.08 s < the chat's 50.06
+    scheduler.add_request(long)
+    assert scheduler.policy.sort_key(long) < scheduler.policy.sort_key(chat)
+    for _ in range(5):
+        out = step(scheduler)
+        got = {i.request.request_id: i.num_tokens for i in out.scheduled}
+        assert got == {"long": 31, "chat": 1}
+    assert chat.is_finished
+
+
 def test_short_first_aging_bounds_the_wait_of_a_long_request():
     # One seat and max_tokens=1: each step serves exactly the best-ranked waiting request.
     # A long request arrives at t=0 with 101 tokens of work; a short one (9 tokens of
