@@ -41,6 +41,7 @@ LONG = (4096, 256)
 LONG_FRACTION = 0.1
 MAX_MODEL_LEN = LONG[0] + LONG[1] + 64
 MODEL_NAME = "mix"
+VOCAB = 49152  # SmolLM2's (the default model)
 
 
 @dataclass(slots=True)
@@ -279,7 +280,6 @@ def main() -> int:
     loads = [float(x) for x in args.loads.split(",")]
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    vocab = 49152  # SmolLM2's
     report: dict = {"requests": args.requests, "loads": loads, "short": SHORT, "long": LONG}
     report["uptime_before"] = os.getloadavg()
     systems = [("pagedllm fcfs", "fcfs")]
@@ -288,40 +288,64 @@ def main() -> int:
     if "vllm" not in skip:
         systems.append(("vllm", None))
     rows: list[dict] = []
-    for name, policy in systems:
-        server = start_vllm(logs, args.threads) if policy is None else start_pagedllm(policy, logs)
-        try:
-            # Warm up (first-use compilation, allocator) with a few requests of each kind.
-            warm = workload(10, args.seed + 99, vocab)
+    # pagedllm's servers run side by side (an idle one takes no CPU) and take turns at each
+    # load, so that load from elsewhere on the machine falls on both alike; vLLM after them.
+    servers = {name: start_pagedllm(policy, logs) for name, policy in systems if policy}
+    try:
+        for server in servers.values():  # first-use compilation, allocator
+            warm = workload(10, args.seed + 99, VOCAB)
             asyncio.run(run_load(server.url, warm, [0.0] * len(warm)))
-            if "capacity_req_s" not in report:
-                cap_items = workload(args.capacity_requests, args.seed + 7, vocab)
-                report["capacity_req_s"] = round(measure_capacity(server.url, cap_items), 3)
-                print(f"capacity ({name}): {report['capacity_req_s']} requests/s", flush=True)
+        cap_items = workload(args.capacity_requests, args.seed + 7, VOCAB)
+        report["capacity_req_s"] = round(
+            measure_capacity(servers["pagedllm fcfs"].url, cap_items), 3
+        )
+        print(f"capacity (pagedllm fcfs): {report['capacity_req_s']} requests/s", flush=True)
+        for load in loads:
+            for name, server in servers.items():
+                rows.append(run_level(name, server.url, load, report["capacity_req_s"], args))
+                save(report, rows, args.json)
+    finally:
+        for server in servers.values():
+            server.stop()
+    if any(policy is None for _, policy in systems):
+        server = start_vllm(logs, args.threads)
+        try:
+            warm = workload(10, args.seed + 99, VOCAB)
+            asyncio.run(run_load(server.url, warm, [0.0] * len(warm)))
             for load in loads:
-                rate = load * report["capacity_req_s"]
-                items = workload(args.requests, args.seed + int(100 * load), vocab)
-                offsets = poisson_offsets(args.requests, rate, args.seed + int(100 * load))
-                records, wall = asyncio.run(run_load(server.url, items, offsets))
-                result = summarize(records, wall, items)
-                result["kinds"] = [i.kind for i in items]
-                rows.append({"system": name, "load": load, "result": result})
-                print(f"{name} at {load:.0%}: {json.dumps(result)[:300]}", flush=True)
+                rows.append(run_level("vllm", server.url, load, report["capacity_req_s"], args))
+                save(report, rows, args.json)
         finally:
             server.stop()
+    save(report, rows, args.json)
+    print_table(report)
+    return 0
+
+
+def save(report: dict, rows: list[dict], path: str) -> None:
+    """The report so far (written after every level: a run cut short keeps what it did)."""
     base = {row["load"]: row["result"] for row in rows if row["system"] == "pagedllm fcfs"}
     for row in rows:
-        if row["system"] != "pagedllm fcfs":
+        if row["system"] != "pagedllm fcfs" and row["load"] in base:
             fcfs, kinds = base[row["load"]], row["result"]["kinds"]
             row["worst_ttft_vs_fcfs"] = worst_ratio(fcfs, row["result"], kinds)
             row["worst_long_ttft_vs_fcfs"] = worst_ratio(fcfs, row["result"], kinds, "long")
     report["rows"] = rows
     report["uptime_after"] = os.getloadavg()
     report["cpu"] = _cpu_name()
-    print_table(report)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2))
+
+
+def run_level(name: str, url: str, load: float, capacity: float, args) -> dict:
+    """One system at one load: the same requests and arrival times for every system."""
+    items = workload(args.requests, args.seed + int(100 * load), VOCAB)
+    offsets = poisson_offsets(args.requests, load * capacity, args.seed + int(100 * load))
+    records, wall = asyncio.run(run_load(url, items, offsets))
+    result = summarize(records, wall, items)
+    result["kinds"] = [i.kind for i in items]
+    print(f"{name} at {load:.0%}: {json.dumps(result)[:300]}", flush=True)
+    return {"system": name, "load": load, "result": result, "loadavg": os.getloadavg()}
 
 
 def _cpu_name() -> str:
