@@ -74,7 +74,7 @@ class EngineConfig:
     # A directory where prefix-cache blocks outlive the process (engine/disk_prefix_cache.py)
     prefix_cache_dir: str | None = None
     prefix_cache_max_gib: float = 8.0  # size limit of that directory (all models in it)
-    scheduling_policy: Any = "fcfs"  # "fcfs" | "priority" | a SchedulingPolicy instance
+    scheduling_policy: Any = "fcfs"  # "fcfs" | "priority" | "short_first" | a SchedulingPolicy
     # auto (triton on CUDA; on CPU the fast path's C++ kernels, else torch) | torch | triton | cpu
     attention_backend: str = "auto"
     kv_cache_dtype: str = (

@@ -71,6 +71,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Ties in arrival_time are broken by submission order.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    # Who sent it (the server sets it per client; engine/client_share.py): requests of
+    # different clients share each step fairly. None: the in-process engine's one client.
+    client_id: str | None = None
     # Set by the engine:
     parent_id: str | None = None
     sample_index: int = 0

@@ -21,50 +21,21 @@ import os
 import time
 from collections.abc import Sequence
 
+from .client_share import StepShares
 from .kv_cache_manager import KVCacheManager, cdiv
 from .metrics import IterationStats
 from .request import LogprobInfo, Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput, StepUpdate
+from .scheduler_policy import PriorityPolicy, SchedulingPolicy, make_policy
 from .spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["PriorityPolicy", "Scheduler", "SchedulingPolicy", "make_policy"]
+
 # Assert the scheduler's invariants after every step (the tests turn this on; in production
 # it is host work on every step for a bug that the tests exist to catch).
 CHECK_INVARIANTS = os.environ.get("PAGEDLLM_CHECK_INVARIANTS", "") not in ("", "0")
-
-
-class SchedulingPolicy:
-    """Order of service: lower `sort_key` runs first and is preempted last.
-
-    Subclass and override `sort_key` for your own order (e.g. by tenant or deadline).
-    """
-
-    name = "fcfs"
-
-    def sort_key(self, request: Request) -> tuple:
-        return (request.arrival_time, request.arrival_seq)
-
-
-class PriorityPolicy(SchedulingPolicy):
-    """Lower `priority` value first (as in vLLM), then first come first served."""
-
-    name = "priority"
-
-    def sort_key(self, request: Request) -> tuple:
-        return (request.priority, request.arrival_time, request.arrival_seq)
-
-
-def make_policy(policy: str | SchedulingPolicy) -> SchedulingPolicy:
-    if isinstance(policy, SchedulingPolicy):
-        return policy
-    if policy == "fcfs":
-        return SchedulingPolicy()
-    if policy == "priority":
-        return PriorityPolicy()
-    raise ValueError(
-        f"scheduling_policy must be 'fcfs', 'priority' or a SchedulingPolicy, got {policy!r}"
-    )
 
 
 class Scheduler:
@@ -141,11 +112,20 @@ class Scheduler:
 
         # 1. Running requests, best-ranked first. Those not reached yet are the ones that
         #    get preempted when blocks run out, so the policy order is respected.
+        shares = StepShares(self.running, self.waiting, budget)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request
+            if num_new > 1 and self.enable_chunked_prefill:
+                # A prefill chunk: within its client's share, after the waiting requests
+                # that rank ahead of it (short_first). Held back, it keeps its blocks.
+                reserved = self._reserved_ahead_of(request, index)
+                num_new = min(num_new, shares.cap(request) - reserved)
+                if num_new <= 0:
+                    index += 1
+                    continue
             drafts = self._propose(request, num_new, budget)
             while not self.kv.allocate_slots(request, num_new, num_draft_tokens=len(drafts)):
                 if drafts:  # drafts only use free room: try again without them
@@ -162,6 +142,7 @@ class Scheduler:
                     )
                 )
                 budget -= num_new + len(drafts)
+                shares.charge(request, num_new + len(drafts))
                 out.num_draft_tokens += len(drafts)
                 index += 1
                 continue
@@ -169,7 +150,7 @@ class Scheduler:
 
         # 2. Waiting requests, while nothing had to be preempted this step.
         if not out.preempted:
-            budget = self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget, shares)
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         now = time.monotonic()
@@ -196,14 +177,42 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         return self.proposer.propose(request, room) if room > 0 else []
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _reserved_ahead_of(self, request: Request, index: int) -> int:
+        """Tokens a running prefill (`request`, at `index` in `running`) leaves to others when
+        the policy lets them pass it: one for each running decode ranked behind it (a decode
+        never waits for a prefill's chunk), and what the waiting requests that rank ahead of
+        it and can be admitted now (room in max_num_seqs and free blocks) want. 0 for
+        policies that do not yield (fcfs, priority: today's order)."""
+        if not self.policy.yields_prefill:
+            return 0
+        behind = self.running[index + 1 :]
+        reserved = sum(1 for r in behind if r.num_tokens - r.num_computed_tokens == 1)
+        key = self.policy.sort_key(request)
+        blocks = 0
+        room = self.max_num_seqs - len(self.running)
+        for waiting in self.waiting[:room]:
+            if self.policy.sort_key(waiting) >= key:
+                break
+            need = waiting.num_tokens - waiting.num_computed_tokens
+            blocks += cdiv(waiting.num_tokens, self.kv.block_size)
+            if not self.kv.can_fit(blocks):  # it could not start: do not hold anyone back
+                break
+            reserved += need
+        return reserved
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, shares: StepShares) -> int:
+        excluded: set[str | None] = set()  # clients whose share of this step is used up
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            position = shares.pick(self.waiting, self.running, excluded)
+            if position is None:
+                break
+            request = self.waiting[position]
             if self.encoder_only:
                 if request.num_tokens > budget:  # no chunks: bidirectional attention
                     break
-                self._start(self.waiting.pop(0), request.num_tokens, 0, out)
+                self._start(self.waiting.pop(position), request.num_tokens, 0, out)
                 budget -= request.num_tokens
+                shares.charge(request, request.num_tokens)
                 continue
             swap_slots = self.swapped.get(request.request_id)
             if swap_slots is not None:  # its computed KV waits in host memory
@@ -214,6 +223,11 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if num_new > 1 and self.enable_chunked_prefill:
+                num_new = min(num_new, shares.cap(request))
+                if num_new <= 0:
+                    excluded.add(request.client_id)
+                    continue
             if swap_slots is not None:
                 request.num_computed_tokens = 0  # allocate blocks for the swapped tokens too
                 ok = self.kv.allocate_slots(request, num_computed + num_new)
@@ -222,7 +236,7 @@ class Scheduler:
                 ok = self.kv.allocate_slots(request, num_new, hits)
             if not ok:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             if swap_slots is not None:
                 block_ids = self.kv.get_block_ids(request.request_id)[: len(swap_slots)]
                 out.swap_in.append((block_ids, swap_slots))
@@ -231,6 +245,7 @@ class Scheduler:
                 self.kv.record_prefix_lookup(request.num_tokens, num_computed)
             self._start(request, num_new, num_computed, out)
             budget -= num_new
+            shares.charge(request, num_new)
         return budget
 
     def _start(self, request: Request, num_new: int, num_computed: int, out: SchedulerOutput):

@@ -20,9 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..engine.client import DEFAULT_STALL_SECONDS, EngineClient
 from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from .chat import create_chat_completion
+from .clients import ClientAdmission
 from .completions import create_completion
 from .connections import ConnectionLimits
-from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
+from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN, DEFAULT_MAX_SEQS_PER_CLIENT
 from .embeddings import EmbeddingRequest, create_embedding, embedding_route
 from .errors import APIError, GuardedRoute, install_error_handlers
 from .guard import GuardMiddleware
@@ -44,6 +45,7 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
+    max_seqs_per_client: int | None = DEFAULT_MAX_SEQS_PER_CLIENT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     compile_timeout: float | None = DEFAULT_COMPILE_TIMEOUT_S,
     report_cached_tokens: bool = True,
@@ -58,6 +60,9 @@ def create_app(
     served_model_name: the name clients pass as `model` (default: the engine's model name).
     api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
     max_queue_len: sequences (running + waiting) admitted at once; past it a request gets 503.
+    max_seqs_per_client: sequences one client (its `user` field, X-PagedLLM-User header or
+        address; see clients.py) may have running + waiting; past it 429 for that client
+        only, and a larger request is a 400. None: no per-client limit.
     max_body_bytes: larger request bodies get 413.
     compile_timeout: seconds a response_format or forced tool call may take to compile
         (past it: 400); None for no limit.
@@ -74,6 +79,7 @@ def create_app(
     """
     if max_queue_len is not None and max_queue_len < 1:
         raise ValueError(f"max_queue_len must be >= 1 (or None for no limit), got {max_queue_len}")
+    clients = ClientAdmission(max_seqs_per_client)  # ValueError for a bad limit
     if compile_timeout is not None and compile_timeout <= 0:
         raise ValueError(f"compile_timeout must be > 0 (or None), got {compile_timeout}")
     if health_stall_timeout <= 0:
@@ -85,7 +91,7 @@ def create_app(
     limits = ServerLimits(
         compile_timeout, report_cached_tokens, health_stall_timeout, allow_unknown_fields
     )
-    state = ServerState(engine, model_name, metrics, max_queue_len, limits)
+    state = ServerState(engine, model_name, metrics, max_queue_len, limits, clients=clients)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

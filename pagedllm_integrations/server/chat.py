@@ -190,7 +190,7 @@ async def create_chat_completion(
         return [group]
 
     try:
-        call = await state.start(request, body.n, make_groups)
+        call = await state.start(request, body.n, make_groups, user=body.user)
     except ClientGone:
         return Response(status_code=499)
     assert call_info.prompt is not None

@@ -12,6 +12,7 @@ import sys
 
 from ..cli_generate import add_engine_arguments, engine_kwargs
 from ..engine.client import DEFAULT_STALL_SECONDS
+from ..engine.scheduler_policy import POLICY_NAMES
 from ..engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from .api_key import API_KEY_ENV, resolve_api_key
 from .defaults import (
@@ -20,6 +21,7 @@ from .defaults import (
     DEFAULT_KEEP_ALIVE_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE_LEN,
+    DEFAULT_MAX_SEQS_PER_CLIENT,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
 
@@ -55,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         f"(default {DEFAULT_MAX_QUEUE_LEN})",
     )
     parser.add_argument(
+        "--max-seqs-per-client",
+        type=int,
+        default=DEFAULT_MAX_SEQS_PER_CLIENT,
+        help="sequences one client (its `user` field, X-PagedLLM-User header, else its "
+        "address) may have running + waiting; past it 429 for that client only, a larger "
+        f"request is a 400 (default {DEFAULT_MAX_SEQS_PER_CLIENT}; 0: no per-client limit)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -83,10 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     )
     parser.add_argument(
         "--scheduling-policy",
-        choices=("fcfs", "priority"),
+        choices=POLICY_NAMES,
         default="fcfs",
         help="fcfs: first come, first served (default); priority: a request's `priority` "
-        "field orders it (lower first), as in vLLM",
+        "field orders it (lower first), as in vLLM; short_first: the least remaining work "
+        "(prompt + max_tokens) first, aged so that every wait is bounded",
     )
     parser.add_argument(
         "--allow-unknown-fields",
@@ -183,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             max_connections_per_client=args.max_connections_per_client,
         )
+        if args.max_seqs_per_client < 0:
+            raise ValueError(
+                f"--max-seqs-per-client must be >= 0 (0: no limit), got {args.max_seqs_per_client}"
+            )
         if not 0 <= args.shutdown_timeout < float("inf"):
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     except ValueError as error:
@@ -226,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             api_key=api_key,
             max_queue_len=args.max_queue_len,
+            max_seqs_per_client=args.max_seqs_per_client or None,
             max_body_bytes=args.max_body_bytes,
             compile_timeout=args.grammar_compile_timeout,
             report_cached_tokens=args.report_cached_tokens,

@@ -121,7 +121,7 @@ async def create_completion(
         return groups
 
     try:
-        call = await state.start(request, len(prompts) * params.n, make_groups)
+        call = await state.start(request, len(prompts) * params.n, make_groups, user=body.user)
     except ClientGone:
         return Response(status_code=499)
     if body.stream:

@@ -30,6 +30,18 @@ _LATENCY_BUCKETS = (
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# Queue time by prompt size: the upper bounds (tokens) of the `prompt_size` label's classes.
+_PROMPT_SIZES = (128, 1024, 8192)
+# Distinct client labels kept; later clients are counted as "other" (a client can pick any
+# `user` name, and each label is a time series the scraper keeps).
+MAX_CLIENT_LABELS = 100
+
+
+def prompt_size_class(num_prompt_tokens: int) -> str:
+    for bound in _PROMPT_SIZES:
+        if num_prompt_tokens <= bound:
+            return f"<={bound}"
+    return f">{_PROMPT_SIZES[-1]}"
 
 
 class PrometheusStatLogger:
@@ -88,6 +100,28 @@ class PrometheusStatLogger:
         self.queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first schedule.", _E2E_BUCKETS
         )
+        self._queue_time_by_size = Histogram(
+            PREFIX + "request_queue_time_by_prompt_size_seconds",
+            "Arrival to first schedule, by the prompt's size class in tokens.",
+            ["model_name", "prompt_size"],
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self._client_admitted = Counter(
+            PREFIX + "client_sequences_admitted",
+            "Sequences (prompts x n) admitted, by client (server/clients.py).",
+            ["model_name", "client"],
+            registry=r,
+        )
+        self._client_refused = Counter(
+            PREFIX + "client_sequences_refused",
+            "Sequences refused, by client and reason (client_limit_exceeded: larger than a "
+            "client may have; client_queue_full: the client's limit is taken; queue_full: "
+            "the server's; too_large: larger than the server admits).",
+            ["model_name", "client", "reason"],
+            registry=r,
+        )
+        self._client_labels: set[str] = set()
         self.request_prompt = histogram(
             "request_prompt_tokens", "Prompt tokens per finished sequence.", _TOKEN_BUCKETS
         )
@@ -147,6 +181,8 @@ class PrometheusStatLogger:
             self._success.labels(self.model_name, finished.finish_reason).inc()
             self.e2e.observe(finished.e2e_latency)
             self.queue_time.observe(finished.queue_time)
+            size = prompt_size_class(finished.num_prompt_tokens)
+            self._queue_time_by_size.labels(self.model_name, size).observe(finished.queue_time)
             self.request_prompt.observe(finished.num_prompt_tokens)
             self.request_generation.observe(finished.num_generation_tokens)
 
@@ -193,6 +229,19 @@ class PrometheusStatLogger:
                 metric.inc(delta)
 
     # ------------------------------------------------------------ server, any thread
+    def record_client(self, client: str, sequences: int, refused: str | None = None) -> None:
+        """A request's sequences admitted for `client`, or refused for reason `refused`."""
+        with self._lock:
+            if client not in self._client_labels:
+                if len(self._client_labels) >= MAX_CLIENT_LABELS:
+                    client = "other"
+                else:
+                    self._client_labels.add(client)
+        if refused is None:
+            self._client_admitted.labels(self.model_name, client).inc(sequences)
+        else:
+            self._client_refused.labels(self.model_name, client, refused).inc(sequences)
+
     def record_aborted(self, num_prompt_tokens: int, generated_per_sequence: list[int]) -> None:
         """An aborted request (its client went away): counted as finished_reason 'abort'."""
         for generated in generated_per_sequence:

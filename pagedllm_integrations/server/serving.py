@@ -37,6 +37,7 @@ from ..engine.structured_outputs import (
     CompilerUnavailableError,
     compile_limits,
 )
+from .clients import ClientAdmission, client_identity
 from .errors import APIError
 from .metrics import PrometheusStatLogger
 from .prompt_bound import PromptBound
@@ -79,6 +80,8 @@ class ServerState:
     draining: bool = False
     aborting: bool = False
     prompt_bound: PromptBound = field(init=False)
+    # Sequences in flight per client, bounded by max_seqs_per_client (clients.py).
+    clients: ClientAdmission = field(default_factory=lambda: ClientAdmission(None))
 
     def __post_init__(self) -> None:
         self.prompt_bound = PromptBound.for_tokenizer(
@@ -137,28 +140,25 @@ class ServerState:
                 future.cancel()
 
     async def start(
-        self, request: Request, sequences: int, make_groups: Callable[[], list[RequestGroup]]
+        self,
+        request: Request,
+        sequences: int,
+        make_groups: Callable[[], list[RequestGroup]],
+        user: str | None = None,
     ) -> EngineCall:
-        """Admit `sequences`, make the engine requests off the event loop (`make_groups`:
-        tokenize, validate, compile) and submit them all; nothing is submitted unless every
-        one is valid."""
+        """Admit `sequences` for the request's client (`user`: the body's field), make the
+        engine requests off the event loop (`make_groups`: tokenize, validate, compile) and
+        submit them all; nothing is submitted unless every one is valid."""
         self.check_admitting()
-        limit = self.max_queue_len
-        if limit is not None and sequences > limit:
-            raise APIError(
-                400,
-                f"this request needs {sequences} sequences (prompts x n) but the server admits "
-                f"at most {limit} at a time; split it",
-                param="n",
-            )
-        if limit is not None and self.in_flight + sequences > limit:
-            raise APIError(
-                503,
-                f"the server is busy ({self.in_flight} sequences running or waiting, limit "
-                f"{limit}); retry later",
-                code="queue_full",
-            )
+        client = client_identity(request, user)
+        try:
+            self._check_room(client, sequences)
+        except APIError as error:
+            self.metrics.record_client(client, sequences, refused=error.code or "too_large")
+            raise
+        self.metrics.record_client(client, sequences)
         self.in_flight += sequences  # reserved now: the awaits below let others in
+        self.clients.admit(client, sequences)
         submitted: list[RequestStream] = []
         n = sequences
         try:
@@ -168,13 +168,36 @@ class ServerState:
             n = groups[0].params.n if groups else 1
             loop = asyncio.get_running_loop()
             for group in groups:
+                for child in group.children:  # the engine shares each step between clients
+                    child.client_id = client
                 submitted.append(self.engine.submit(group, loop=loop))
         except BaseException:
             self.in_flight -= sequences - len(submitted) * n
+            self.clients.release(client, sequences - len(submitted) * n)
             if submitted:  # the pumps of what went in release those sequences
-                EngineCall(self, submitted, n).close()
+                EngineCall(self, submitted, n, client).close()
             raise
-        return EngineCall(self, submitted, n)
+        return EngineCall(self, submitted, n, client)
+
+    def _check_room(self, client: str, sequences: int) -> None:
+        """The server-wide bound, then the client's own (clients.py): a 400 for a request
+        that can never fit, a 429 for a client at its limit, a 503 when all are full."""
+        limit = self.max_queue_len
+        if limit is not None and sequences > limit:
+            raise APIError(
+                400,
+                f"this request needs {sequences} sequences (prompts x n) but the server admits "
+                f"at most {limit} at a time; split it",
+                param="n",
+            )
+        self.clients.check(client, sequences)
+        if limit is not None and self.in_flight + sequences > limit:
+            raise APIError(
+                503,
+                f"the server is busy ({self.in_flight} sequences running or waiting, limit "
+                f"{limit}); retry later",
+                code="queue_full",
+            )
 
     def make_group(
         self,
@@ -252,10 +275,11 @@ def new_id(prefix: str) -> str:
 class EngineCall:
     """The engine requests of one HTTP request, merged; `close()` aborts what is left."""
 
-    def __init__(self, state: ServerState, streams: list[RequestStream], n: int):
+    def __init__(self, state: ServerState, streams: list[RequestStream], n: int, client: str):
         self.state = state
         self.streams = streams
         self.n = n
+        self.client = client
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(streams)
         self._pumping = len(streams)
@@ -280,6 +304,7 @@ class EngineCall:
                 raise
         finally:
             self.state.in_flight -= self.n
+            self.state.clients.release(self.client, self.n)
             self._pumping -= 1
             if not self._pumping:
                 self.state.open_calls.discard(self)

@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from .metrics import PREFIX
+from .quantiles import bucket_delta, histogram_quantile
 
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -25,6 +26,10 @@ class Snapshot:
     values: dict[str, float] = field(default_factory=dict)  # sample name -> sum over labels
     finished: dict[str, float] = field(default_factory=dict)  # finished_reason -> count
     model_names: set[str] = field(default_factory=set)
+    # histogram name -> {upper bound: cumulative count}, summed over other labels
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)
+    # client -> [sequences admitted, sequences refused]
+    clients: dict[str, list[float]] = field(default_factory=dict)
 
     def get(self, name: str) -> float:
         return self.values.get(PREFIX + name, 0.0)
@@ -41,6 +46,15 @@ def parse_metrics(text: str, at: float) -> Snapshot:
             snapshot.values[sample.name] = snapshot.values.get(sample.name, 0.0) + sample.value
             if "model_name" in sample.labels:
                 snapshot.model_names.add(sample.labels["model_name"])
+            if sample.name.endswith("_bucket") and "le" in sample.labels:
+                histogram = snapshot.buckets.setdefault(sample.name[: -len("_bucket")], {})
+                bound = float(sample.labels["le"])
+                histogram[bound] = histogram.get(bound, 0.0) + sample.value
+            if sample.name.startswith(PREFIX + "client_sequences_") and sample.name.endswith(
+                "_total"
+            ):
+                counts = snapshot.clients.setdefault(sample.labels.get("client", "?"), [0.0, 0.0])
+                counts[sample.name.endswith("refused_total")] += sample.value
             if sample.name == PREFIX + "request_success_total":
                 reason = sample.labels.get("finished_reason", "?")
                 snapshot.finished[reason] = snapshot.finished.get(reason, 0.0) + sample.value
@@ -71,6 +85,28 @@ def _mean_delta(previous: Snapshot | None, current: Snapshot, histogram: str) ->
     return total / count if count > 0 else None
 
 
+def _quantiles(previous: Snapshot | None, current: Snapshot, histogram: str) -> str:
+    """'P50 x ms  P99 y ms' of the observations between two scrapes (since start on the
+    first), or '-' when there were none."""
+    name = PREFIX + histogram
+    buckets = current.buckets.get(name, {})
+    if previous is not None:
+        buckets = bucket_delta(buckets, previous.buckets.get(name, {}))
+    p50, p99 = histogram_quantile(0.5, buckets), histogram_quantile(0.99, buckets)
+    if p50 is None or p99 is None:
+        return "-"
+    return f"P50 {1000 * p50:.0f} ms  P99 {1000 * p99:.0f} ms"
+
+
+def _client_lines(current: Snapshot, limit: int = 5) -> list[str]:
+    """The clients with the most sequences admitted: admitted and refused since start."""
+    ranked = sorted(current.clients.items(), key=lambda item: -item[1][0])[:limit]
+    return [
+        f"client     {name[:40]:<40} admitted {int(admitted):>7}   refused {int(refused):>6}"
+        for name, (admitted, refused) in ranked
+    ]
+
+
 def render(url: str, previous: Snapshot | None, current: Snapshot) -> str:
     queries = current.get("prefix_cache_queries_total")
     hit_rate = current.get("prefix_cache_hits_total") / queries if queries else 0.0
@@ -91,7 +127,11 @@ def render(url: str, previous: Snapshot | None, current: Snapshot) -> str:
         + (f"{1000 * ttft:.0f} ms" if ttft is not None else "-")
         + "   inter-token "
         + (f"{1000 * itl:.0f} ms" if itl is not None else "-"),
-    ]
+        "           TTFT " + _quantiles(previous, current, "time_to_first_token_seconds")
+        + "   inter-token " + _quantiles(previous, current, "inter_token_latency_seconds"),
+        "           queue " + _quantiles(previous, current, "request_queue_time_seconds"),
+        *_client_lines(current),
+    ]  # fmt: skip
     drafted = current.get("spec_decode_num_draft_tokens_total")
     if drafted:  # speculative decoding is on and has drafted
         accepted = current.get("spec_decode_num_accepted_tokens_total")
