@@ -212,6 +212,13 @@ def test_a_replica_whose_engine_thread_died_is_replaced(replicas, reference):
             raise SystemExit("injected: the engine thread dies")
 
         actor.engine._send("call", die)
+        # The engine thread runs the command on its own time: return once it has died, so
+        # that the health check below sees the death rather than racing it.
+        import time as clock
+
+        deadline = clock.monotonic() + 60
+        while actor.engine.is_running and clock.monotonic() < deadline:
+            clock.sleep(0.01)
 
     ray.get(victim.__ray_call__.remote(stop_engine_thread))
     assert ray.get(victim.health.remote(60.0))[0] is False  # the actor answers, its engine not
