@@ -71,6 +71,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides both budgets above (tests)
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks; 0 = recompute
+    # GiB of disk for what host swap space cannot hold (engine/swap_space.py), in a file
+    # (reserved at startup, unnamed, removed with the process) in swap_dir; default folder:
+    # pagedllm's cache folder (~/.cache/pagedllm/swap).
+    swap_disk_space: float = 0.0
+    swap_dir: str | None = None
     # A directory where prefix-cache blocks outlive the process (engine/disk_prefix_cache.py)
     prefix_cache_dir: str | None = None
     prefix_cache_max_gib: float = 8.0  # size limit of that directory (all models in it)
@@ -131,6 +136,10 @@ class EngineConfig:
             )
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0 GiB")
+        if self.swap_disk_space < 0:
+            raise ValueError("swap_disk_space must be >= 0 GiB")
+        if self.swap_dir is not None and not self.swap_disk_space:
+            raise ValueError("swap_dir is set but swap_disk_space is 0: set both, or neither")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.num_threads is not None:

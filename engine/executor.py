@@ -9,7 +9,7 @@ Every executor is built in two stages, because the KV cache is sized after the w
 in memory (on GPU, from what a warm-up forward leaves free):
 
     executor = build_executor(...)             weights loaded; executor.model is rank 0's
-    executor.allocate(num_blocks, block_size)  KV cache (and swap space) on every rank
+    executor.allocate(num_blocks, block_size)  KV cache (and swap tiers) on every rank
     executor.execute(step, block_ids)          -> logits [N, vocab] float32, sampled rows,
                                                   pooled parts of embedding requests
     executor.shutdown()
@@ -36,6 +36,7 @@ from .models.config import ModelConfig
 from .models.layers import LinearFactory, TableKernels
 from .models.registry import build_model
 from .pooling import PooledParts
+from .swap_space import NO_SWAP, SwapPlan
 from .scheduler import SchedulerOutput
 
 
@@ -48,8 +49,8 @@ class Executor(Protocol):
         """KV blocks that fit in GPU memory after a warm-up forward of `tokens` (CUDA only)."""
         ...
 
-    def allocate(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
-        """Make the KV cache (and host swap space) on every rank."""
+    def allocate(self, num_blocks: int, block_size: int, swap: SwapPlan = NO_SWAP) -> None:
+        """Make the KV cache (and the swap space's tiers) on every rank."""
         ...
 
     def execute(
@@ -99,14 +100,14 @@ class LocalExecutor:
         spec = self.config.speculation
         return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
-    def allocate(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+    def allocate(self, num_blocks: int, block_size: int, swap: SwapPlan = NO_SWAP) -> None:
         self.runner = ModelRunner(
             self.model,
             num_blocks,
             block_size,
             self.device,
             attention_backend=self.plan.attention_backend,
-            num_swap_blocks=num_swap_blocks,
+            swap=swap,
             kv_cache_dtype=self.plan.kv_cache_dtype,
         )
 

@@ -42,6 +42,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode.ngram import NgramProposer
 from .spec_decode.verifier import DraftVerifier
+from .swap_space import SwapPlan, describe_swap
 from .step_budget import step_budget
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ class LLMEngine:
         self.max_num_batched_tokens = step_budget(config, self.device, self.max_model_len, encoder)
         self.num_blocks = self._determine_num_blocks(block_size)
         bytes_per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
-        num_swap_blocks = int(config.swap_space * GiB) // bytes_per_block
+        swap = SwapPlan.from_sizes(
+            config.swap_space, config.swap_disk_space, config.swap_dir, bytes_per_block
+        )
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self.kv_manager = KVCacheManager(
             self.num_blocks, block_size, config.enable_prefix_caching, model_identity=source.origin
@@ -115,11 +118,11 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
-            num_swap_blocks=num_swap_blocks,
+            swap=swap,
             proposer=NgramProposer(config.speculation) if config.speculation else None,
             encoder_only=encoder,
         )
-        self.executor.allocate(self.num_blocks, block_size, num_swap_blocks)
+        self.executor.allocate(self.num_blocks, block_size, swap)
         self.disk_cache: DiskPrefixCache | None = None
         if config.prefix_cache_dir is not None:
             self.disk_cache = DiskPrefixCache.create(
@@ -161,7 +164,7 @@ class LLMEngine:
             logger.info("%s is an embedding model: %s", self.model_name, self.pooler.describe())
         logger.info(
             "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), "
-            "max_model_len %d",
+            "max_model_len %d%s",
             self.model_name,
             self.plan.describe(),
             self.model.stack_status() if hasattr(self.model, "stack_status") else "",
@@ -171,6 +174,7 @@ class LLMEngine:
             block_size,
             self.kv_cache_bytes / GiB,
             self.max_model_len,
+            describe_swap(swap, bytes_per_block),
         )
 
     # ------------------------------------------------------------ model setup
@@ -429,6 +433,7 @@ class LLMEngine:
 
     def scheduler_stats(self) -> SchedulerStats:
         running, kv, block_size = self.scheduler.running, self.kv_manager, self.config.block_size
+        swapped_host, swapped_disk = self.scheduler.swapped_blocks()
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -440,6 +445,10 @@ class LLMEngine:
             kv_slots_reserved=block_size * sum(kv.num_blocks_of(r.request_id) for r in running),
             prefix_cache_disk_loaded=self.disk_cache.loaded_tokens if self.disk_cache else 0,
             prefix_cache_disk_written=self.disk_cache.written_tokens if self.disk_cache else 0,
+            swapped_blocks_host=swapped_host,
+            swapped_blocks_disk=swapped_disk,
+            blocks_swapped_out=self.scheduler.num_blocks_swapped_out,
+            blocks_swapped_in=self.scheduler.num_blocks_swapped_in,
         )
 
     def _log_stats(self, iteration: IterationStats) -> None:

@@ -31,6 +31,12 @@ class SchedulerStats:
     # With prefix_cache_dir: cumulative tokens whose blocks were read from / written to disk.
     prefix_cache_disk_loaded: int = 0
     prefix_cache_disk_written: int = 0
+    # Swap space (engine/swap_space.py): blocks of swapped-out requests in each tier now,
+    # and cumulative blocks copied out of and back into the KV cache.
+    swapped_blocks_host: int = 0
+    swapped_blocks_disk: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
 
 
 @dataclass(slots=True)
@@ -202,6 +208,10 @@ class EngineCounters:
                 "num_preemptions": s.num_preemptions,
                 "prefix_cache_disk_loaded": s.prefix_cache_disk_loaded,
                 "prefix_cache_disk_written": s.prefix_cache_disk_written,
+                "swapped_blocks_host": s.swapped_blocks_host,
+                "swapped_blocks_disk": s.swapped_blocks_disk,
+                "blocks_swapped_out": s.blocks_swapped_out,
+                "blocks_swapped_in": s.blocks_swapped_in,
                 **self.spec.as_dict(),
             }
 

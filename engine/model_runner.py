@@ -32,6 +32,7 @@ from .attention_metadata import AttentionMetadata
 from .models.causal_lm import CausalLM
 from .pooling import PooledParts, pool_step
 from .scheduler import SchedulerOutput
+from .swap_space import NO_SWAP, SwapPlan, SwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         attention_backend: str = "auto",
-        num_swap_blocks: int = 0,
+        swap: SwapPlan = NO_SWAP,
         kv_cache_dtype: torch.dtype | None = None,
     ):
         cfg = model.config
@@ -153,14 +154,9 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        pin = device.type == "cuda"
-        self.swap_space = [
-            (
-                torch.zeros((num_swap_blocks, *k_shape[1:]), dtype=kv_dtype, pin_memory=pin),
-                torch.zeros((num_swap_blocks, *v_shape[1:]), dtype=kv_dtype, pin_memory=pin),
-            )
-            for _ in range(cfg.num_layers if num_swap_blocks else 0)
-        ]
+        self.swap_space = SwapSpace(
+            swap, k_shape, v_shape, cfg.num_layers, kv_dtype, pin_memory=device.type == "cuda"
+        )
 
     # ------------------------------------------------------------------ inputs
     def prepare(
@@ -263,16 +259,10 @@ class ModelRunner:
         swap_out: list[tuple[list[int], list[int]]],
         swap_in: list[tuple[list[int], list[int]]],
     ) -> None:
-        """Copy preempted requests' blocks to host memory, and resumed ones back.
+        """Copy preempted requests' blocks to swap space, and resumed ones back.
 
-        Each entry is (block ids in the device cache, slots in the host swap space)."""
+        Each entry is (block ids in the KV cache, slots in the swap space's tiers)."""
         for block_ids, slots in swap_out:
-            device_idx = torch.tensor(block_ids, device=self.device)
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.swap_space):
-                hk[slots] = k[device_idx].to("cpu")
-                hv[slots] = v[device_idx].to("cpu")
+            self.swap_space.store(self.kv_caches, block_ids, slots)
         for block_ids, slots in swap_in:
-            device_idx = torch.tensor(block_ids, device=self.device)
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.swap_space):
-                k[device_idx] = hk[slots].to(self.device)
-                v[device_idx] = hv[slots].to(self.device)
+            self.swap_space.load(self.kv_caches, block_ids, slots)

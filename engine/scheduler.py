@@ -28,6 +28,7 @@ from .request import LogprobInfo, Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput, StepUpdate
 from .scheduler_policy import PriorityPolicy, SchedulingPolicy, make_policy
 from .spec_decode.ngram import NgramProposer
+from .swap_space import NO_SWAP, SwapPlan, SwapSlots
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str | SchedulingPolicy = "fcfs",
-        num_swap_blocks: int = 0,
+        swap: SwapPlan = NO_SWAP,
         proposer: NgramProposer | None = None,
         encoder_only: bool = False,
     ) -> None:
@@ -65,9 +66,13 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by policy key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Host swap space: free slot ids, and the slots each swapped-out request holds.
-        self.free_swap_slots = list(range(num_swap_blocks))
+        # Swap space (engine/swap_space.py): its free slots (host memory's go first), the
+        # slots each swapped-out request holds, and the blocks copied each way so far.
+        self.swap = swap
+        self.free_swap_slots = SwapSlots(swap)
         self.swapped: dict[str, list[int]] = {}
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- intake
@@ -94,7 +99,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request, uncache=uncache)
-        self.free_swap_slots.extend(self.swapped.pop(request.request_id, []))
+        self._release_swap_slots(request.request_id)
         self.requests.pop(request.request_id, None)
 
     @property
@@ -240,7 +245,8 @@ class Scheduler:
             if swap_slots is not None:
                 block_ids = self.kv.get_block_ids(request.request_id)[: len(swap_slots)]
                 out.swap_in.append((block_ids, swap_slots))
-                self.free_swap_slots.extend(self.swapped.pop(request.request_id))
+                self.num_blocks_swapped_in += len(swap_slots)
+                self._release_swap_slots(request.request_id)
             else:
                 self.kv.record_prefix_lookup(request.num_tokens, num_computed)
             self._start(request, num_new, num_computed, out)
@@ -259,10 +265,11 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         # Its blocks hold exactly its computed tokens: it is not scheduled in this step.
         block_ids = self.kv.get_block_ids(request.request_id)
-        if block_ids and len(self.free_swap_slots) >= len(block_ids):
-            slots = [self.free_swap_slots.pop() for _ in block_ids]
+        if block_ids and self.free_swap_slots.num_free >= len(block_ids):
+            slots = self.free_swap_slots.take(len(block_ids))
             self.swapped[request.request_id] = slots
             out.swap_out.append((block_ids, slots))
+            self.num_blocks_swapped_out += len(slots)
         else:
             request.num_computed_tokens = 0  # recompute from scratch (prefix cache may help)
             if request.pooling is not None:  # an embedding's sum restarts with its rows
@@ -273,6 +280,15 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(request)
         self._enqueue_waiting(request)
+
+    def _release_swap_slots(self, request_id: str) -> None:
+        self.free_swap_slots.give_back(self.swapped.pop(request_id, []))
+
+    def swapped_blocks(self) -> tuple[int, int]:
+        """KV blocks of swapped-out requests now in host memory, and on disk."""
+        held = [slot for slots in self.swapped.values() for slot in slots]
+        on_disk = sum(1 for slot in held if self.swap.is_on_disk(slot))
+        return len(held) - on_disk, on_disk
 
     # ------------------------------------------------------------------ update
     def update_from_output(

@@ -33,6 +33,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-cache-max-gib", type=float, default=8.0, help="size limit of that directory"
     )
     parser.add_argument(
+        "--swap-space",
+        type=float,
+        default=0.0,
+        help="GiB of host memory for preempted requests' KV blocks (default 0: recompute them)",
+    )
+    parser.add_argument(
+        "--swap-disk-space",
+        type=float,
+        default=0.0,
+        help="GiB of disk for the preempted blocks host swap space cannot hold (default 0)",
+    )
+    parser.add_argument(
+        "--swap-dir",
+        default=None,
+        help="folder of the disk swap file (default: ~/.cache/pagedllm/swap)",
+    )
+    parser.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument("--device", default="auto")
@@ -61,6 +78,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_dir=args.prefix_cache_dir,
         prefix_cache_max_gib=args.prefix_cache_max_gib,
+        swap_space=args.swap_space,
+        swap_disk_space=args.swap_disk_space,
+        swap_dir=args.swap_dir,
         enable_chunked_prefill=args.enable_chunked_prefill,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,

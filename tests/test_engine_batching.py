@@ -103,6 +103,45 @@ def test_swapping_preempted_requests_to_host_memory_keeps_outputs(tiny_llama_dir
         assert all_blocks_free(tight.engine)
 
 
+def test_swapping_preempted_requests_to_disk_keeps_outputs_and_leaves_no_file(
+    tiny_llama_dir, tmp_path
+):
+    prompts = prompts_for_concurrency(8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), disable_log_stats=True) as roomy:
+        expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    # No host swap space: every preempted block goes to the disk tier's file.
+    with LLM(
+        str(tiny_llama_dir),
+        num_kv_blocks=10,
+        max_model_len=128,
+        swap_disk_space=0.01,
+        swap_dir=str(swap_dir),
+        enable_prefix_caching=False,
+        disable_log_stats=True,
+    ) as tight:
+        outputs = tight.generate(prompts, params, use_tqdm=False)
+        stats = tight.engine.counters.snapshot()
+        assert stats["num_preemptions"] > 0
+        assert stats["blocks_swapped_out"] > 0
+        assert stats["blocks_swapped_in"] == stats["blocks_swapped_out"]
+        assert (stats["swapped_blocks_host"], stats["swapped_blocks_disk"]) == (0, 0)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert all_blocks_free(tight.engine)
+        assert list(swap_dir.iterdir()) == []  # the swap file has no name, even while in use
+
+
+def test_swap_settings_that_cannot_work_are_refused(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="swap_disk_space must be >= 0"):
+        LLM(str(tiny_llama_dir), swap_disk_space=-1)
+    with pytest.raises(ValueError, match="swap_dir is set but swap_disk_space is 0"):
+        LLM(str(tiny_llama_dir), swap_dir=str(tmp_path))
+    with pytest.raises(OSError, match="cannot reserve .* GiB of disk swap space"):
+        LLM(str(tiny_llama_dir), swap_disk_space=1e6, swap_dir=str(tmp_path))
+
+
 def test_64_requests_from_8_threads_match_their_solo_outputs_and_stream(tiny_engine):
     prompts = prompts_for_concurrency(64)
     expected = solo_outputs(tiny_engine, prompts, GREEDY)

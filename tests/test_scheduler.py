@@ -14,6 +14,7 @@ from pagedllm_integrations.engine.scheduler import (
     SchedulerOutput,
     SchedulingPolicy,
 )
+from pagedllm_integrations.engine.swap_space import SwapPlan
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, chunked=True, **kw):
@@ -97,7 +98,7 @@ def test_preemption_frees_the_newest_request_and_it_recomputes_later():
 
 def test_swap_space_keeps_computed_tokens_of_a_preempted_request():
     scheduler = make_scheduler(
-        num_blocks=6, block_size=4, budget=64, caching=False, num_swap_blocks=8
+        num_blocks=6, block_size=4, budget=64, caching=False, swap=SwapPlan(host_blocks=8)
     )
     requests = [make_request(f"r{i}", 7, max_tokens=6, start=100 * i) for i in range(3)]
     for r in requests:
@@ -112,7 +113,28 @@ def test_swap_space_keeps_computed_tokens_of_a_preempted_request():
     while scheduler.has_unfinished():
         swapped_in += run_step(scheduler).swap_in
     assert swapped_in and len(swapped_in[0][0]) == len(swapped_in[0][1])
-    assert scheduler.kv.pool.num_free_blocks == 6 and len(scheduler.free_swap_slots) == 8
+    assert scheduler.kv.pool.num_free_blocks == 6 and scheduler.free_swap_slots.num_free == 8
+
+
+def test_swap_fills_host_slots_before_disk_slots_and_counts_both_ways():
+    # 1 host slot + 8 disk slots: the victim's 2 blocks take the host slot and a disk slot.
+    swap = SwapPlan(host_blocks=1, disk_blocks=8, disk_dir="unused-by-the-scheduler")
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False, swap=swap)
+    requests = [make_request(f"r{i}", 7, max_tokens=6, start=100 * i) for i in range(3)]
+    for r in requests:
+        scheduler.add_request(r)
+    run_step(scheduler)
+    run_step(scheduler)
+    out = run_step(scheduler)
+    (_, slots), = out.swap_out
+    assert sorted(slots) == [0, 1]  # the lowest free slots: host memory's first
+    assert scheduler.swapped_blocks() == (1, 1)
+    assert scheduler.num_blocks_swapped_out == 2
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    assert scheduler.num_blocks_swapped_in == 2 and scheduler.swapped_blocks() == (0, 0)
+    assert scheduler.free_swap_slots.num_free == 9
+    assert scheduler.free_swap_slots.take(2) == [0, 1]  # host memory's slot first again
 
 
 def test_priority_policy_serves_urgent_requests_first_and_preempts_the_least_urgent():

@@ -37,6 +37,7 @@ from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
 from ..models.layers import LinearFactory
 from ..scheduler import SchedulerOutput
+from ..swap_space import NO_SWAP, SwapPlan
 from .tp_layers import check_tensor_parallel
 from .tp_worker import (
     COLLECTIVE_TIMEOUT,
@@ -210,7 +211,7 @@ class TensorParallelExecutor:
             box, src=0, device=self.device if self.dist_backend == "nccl" else None
         )
 
-    def allocate(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+    def allocate(self, num_blocks: int, block_size: int, swap: SwapPlan = NO_SWAP) -> None:
         """Make every rank's KV cache and swap space (this rank's in a ModelRunner)."""
         self._check_alive()
         header = dict(
@@ -218,7 +219,7 @@ class TensorParallelExecutor:
             num_blocks=num_blocks,
             block_size=block_size,
             backend=self.attention_backend,
-            num_swap_blocks=num_swap_blocks,
+            swap=swap,
         )
         self._guarded(lambda: self._broadcast_header(header))
         self.runner = ModelRunner(
@@ -227,7 +228,7 @@ class TensorParallelExecutor:
             block_size,
             self.device,
             attention_backend=self.attention_backend,
-            num_swap_blocks=num_swap_blocks,
+            swap=swap,
         )
         self._allocated = True
 

@@ -213,7 +213,7 @@ def _serve(model: CausalLM, spec: RankSpec, device: torch.device) -> None:
                 header["block_size"],
                 device,
                 attention_backend=header["backend"],
-                num_swap_blocks=header["num_swap_blocks"],
+                swap=header["swap"],
             )
         elif op == "profile":
             blocks = profile_kv_blocks(model, device, **header["args"])

@@ -80,6 +80,18 @@ class PrometheusStatLogger:
             "prefix_cache_disk_written_tokens",
             "Tokens whose KV blocks were written to the prefix-cache directory.",
         )
+        self.swapped_host = gauge(
+            "kv_swapped_blocks_host", "KV blocks of preempted requests waiting in host memory."
+        )
+        self.swapped_disk = gauge(
+            "kv_swapped_blocks_disk", "KV blocks of preempted requests waiting on disk."
+        )
+        self.swapped_out = counter(
+            "kv_blocks_swapped_out", "KV blocks copied from the cache to swap space."
+        )
+        self.swapped_in = counter(
+            "kv_blocks_swapped_in", "KV blocks copied from swap space back to the cache."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._success = Counter(
@@ -161,8 +173,9 @@ class PrometheusStatLogger:
         )
         self._spec_total = SpecDecodingStats()
         self._lock = threading.Lock()
-        # prefix queries, prefix hits, preemptions, disk-loaded and disk-written tokens
-        self._last_cumulative: tuple[int, ...] = (0, 0, 0, 0, 0)
+        # prefix queries, prefix hits, preemptions, disk-loaded and disk-written tokens,
+        # blocks swapped out and in
+        self._last_cumulative: tuple[int, ...] = (0,) * 7
 
     # ----------------------------------------------------- engine thread, every step
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
@@ -207,12 +220,16 @@ class PrometheusStatLogger:
         self.running.set(scheduler.num_running)
         self.waiting.set(scheduler.num_waiting)
         self.kv_usage.set(scheduler.kv_cache_usage)
+        self.swapped_host.set(scheduler.swapped_blocks_host)
+        self.swapped_disk.set(scheduler.swapped_blocks_disk)
         current = (
             scheduler.prefix_cache_queries,
             scheduler.prefix_cache_hits,
             scheduler.num_preemptions,
             scheduler.prefix_cache_disk_loaded,
             scheduler.prefix_cache_disk_written,
+            scheduler.blocks_swapped_out,
+            scheduler.blocks_swapped_in,
         )
         with self._lock:
             # max(): a total never goes back, even if two snapshots arrive out of order.
@@ -222,7 +239,7 @@ class PrometheusStatLogger:
             )
         cumulative = (
             self.prefix_queries, self.prefix_hits, self.preemptions,
-            self.disk_loaded, self.disk_written,
+            self.disk_loaded, self.disk_written, self.swapped_out, self.swapped_in,
         )  # fmt: skip
         for metric, delta in zip(cumulative, deltas):
             if delta:
