@@ -74,3 +74,20 @@ def test_prompt_size_classes_and_the_client_label_bound():
     text = generate_latest(logger.registry).decode()
     assert text.count("client_sequences_admitted_total{") == 101  # 100 names + "other"
     assert 'client="other"' in text
+
+
+def test_swap_tiers_reach_prometheus_and_top():
+    logger = PrometheusStatLogger("m")
+    before = top.parse_metrics(generate_latest(logger.registry).decode(), at=0.0)
+    assert "swap " not in top.render("http://x", None, before)  # no swap: no line
+    stats = SchedulerStats(
+        swapped_blocks_host=3, swapped_blocks_disk=5, blocks_swapped_out=12, blocks_swapped_in=4
+    )
+    logger.record(stats, IterationStats())
+    logger.record(stats, IterationStats())  # totals are not counted twice
+    text = generate_latest(logger.registry).decode()
+    assert 'pagedllm:kv_swapped_blocks_disk{model_name="m"} 5.0' in text
+    assert 'pagedllm:kv_blocks_swapped_out_total{model_name="m"} 12.0' in text
+    screen = top.render("http://x", None, top.parse_metrics(text, at=1.0))
+    swap = next(line for line in screen.splitlines() if line.startswith("swap"))
+    assert "host      3" in swap and "disk      5" in swap and "out 12, back in 4" in swap

@@ -358,6 +358,10 @@ def test_metrics_parse_with_vllm_names(server, client):
         "inter_token_latency_seconds",
         "e2e_request_latency_seconds",
         "request_success",
+        "kv_swapped_blocks_host",
+        "kv_swapped_blocks_disk",
+        "kv_blocks_swapped_out",
+        "kv_blocks_swapped_in",
     ):
         family = families["pagedllm:" + name]
         assert family.samples, name

@@ -132,6 +132,13 @@ def render(url: str, previous: Snapshot | None, current: Snapshot) -> str:
         "           queue " + _quantiles(previous, current, "request_queue_time_seconds"),
         *_client_lines(current),
     ]  # fmt: skip
+    swapped_out = current.get("kv_blocks_swapped_out_total")
+    if swapped_out:  # swap space is on and preemption has used it
+        lines.append(
+            f"swap       waiting blocks: host {int(current.get('kv_swapped_blocks_host')):>6}   "
+            f"disk {int(current.get('kv_swapped_blocks_disk')):>6}   copied out "
+            f"{int(swapped_out)}, back in {int(current.get('kv_blocks_swapped_in_total'))}"
+        )
     drafted = current.get("spec_decode_num_draft_tokens_total")
     if drafted:  # speculative decoding is on and has drafted
         accepted = current.get("spec_decode_num_accepted_tokens_total")
