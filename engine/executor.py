@@ -36,8 +36,8 @@ from .models.config import ModelConfig
 from .models.layers import LinearFactory, TableKernels
 from .models.registry import build_model
 from .pooling import PooledParts
-from .swap_space import NO_SWAP, SwapPlan
 from .scheduler import SchedulerOutput
+from .swap_space import NO_SWAP, SwapPlan
 
 
 class Executor(Protocol):

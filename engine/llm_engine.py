@@ -42,8 +42,8 @@ from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode.ngram import NgramProposer
 from .spec_decode.verifier import DraftVerifier
-from .swap_space import SwapPlan, describe_swap
 from .step_budget import step_budget
+from .swap_space import SwapPlan, describe_swap
 
 logger = logging.getLogger(__name__)
 

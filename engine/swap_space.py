@@ -100,7 +100,9 @@ def describe_swap(plan: SwapPlan, bytes_per_block: int) -> str:
     if plan.host_blocks:
         parts.append(f"{plan.host_blocks * bytes_per_block / GiB:.2f} GiB in host memory")
     if plan.disk_blocks:
-        parts.append(f"{plan.disk_blocks * bytes_per_block / GiB:.2f} GiB on disk in {plan.disk_dir}")
+        parts.append(
+            f"{plan.disk_blocks * bytes_per_block / GiB:.2f} GiB on disk in {plan.disk_dir}"
+        )
     return f"; swap space {', '.join(parts)} ({plan.num_blocks} blocks)" if parts else ""
 
 

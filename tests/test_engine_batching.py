@@ -138,7 +138,7 @@ def test_swap_settings_that_cannot_work_are_refused(tiny_llama_dir, tmp_path):
         LLM(str(tiny_llama_dir), swap_disk_space=-1)
     with pytest.raises(ValueError, match="swap_dir is set but swap_disk_space is 0"):
         LLM(str(tiny_llama_dir), swap_dir=str(tmp_path))
-    with pytest.raises(OSError, match="cannot reserve .* GiB of disk swap space"):
+    with pytest.raises(OSError, match=r"cannot reserve .* GiB of disk swap space"):
         LLM(str(tiny_llama_dir), swap_disk_space=1e6, swap_dir=str(tmp_path))
 
 

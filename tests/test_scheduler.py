@@ -126,7 +126,7 @@ def test_swap_fills_host_slots_before_disk_slots_and_counts_both_ways():
     run_step(scheduler)
     run_step(scheduler)
     out = run_step(scheduler)
-    (_, slots), = out.swap_out
+    ((_, slots),) = out.swap_out
     assert sorted(slots) == [0, 1]  # the lowest free slots: host memory's first
     assert scheduler.swapped_blocks() == (1, 1)
     assert scheduler.num_blocks_swapped_out == 2
