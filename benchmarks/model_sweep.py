@@ -3,6 +3,8 @@
     python benchmarks/model_sweep.py                                  # every shape, Q4_K_M
     python benchmarks/model_sweep.py --shapes qwen3-0.6b,llama-3.2-1b --quant Q4_K_M,Q4_0
     python benchmarks/model_sweep.py --report benchmarks/results/sweep_zen4.json   # table only
+    python benchmarks/model_sweep.py --report benchmarks/results/sweep_xeon_amx.json \
+        --chart docs/img/model_sweep_xeon_amx.png
 
 Each shape (benchmarks/model_shapes.py: random weights in the real widths, converted and
 quantized by llama.cpp's own tools) runs `benchmarks/cpu_peers.py` with its GGUF for
@@ -151,6 +153,11 @@ def main() -> int:
     parser.add_argument("--skip", default="", help="systems to leave out (cpu_peers --skip)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "sweep.json"))
     parser.add_argument("--report", help="print the table and chart of this JSON, run nothing")
+    parser.add_argument(
+        "--chart",
+        default=str(ROOT / "docs" / "img" / "model_sweep.png"),
+        help="where the chart goes (one per CPU class: name it after the JSON's machine)",
+    )
     args = parser.parse_args()
     path = Path(args.report or args.json)
     results = json.loads(path.read_text()) if path.exists() else {}
@@ -162,7 +169,7 @@ def main() -> int:
                 results[key] = run_one(shape, quant, args)
                 path.write_text(json.dumps(results, indent=1))  # kept after every model
     print_table(results)
-    plot(results, ROOT / "docs" / "img" / "model_sweep.png")
+    plot(results, Path(args.chart))
     return 0
 
 
