@@ -11,7 +11,8 @@ that needs them. Swap slots are numbered over two tiers:
 The scheduler hands out the lowest free slot first, so the disk takes only what host
 memory cannot hold. On a CPU the KV cache itself is host memory, so the disk tier is what
 lets many long, preempted or waiting contexts exceed RAM: their bytes go to the file and
-the kernel's page cache keeps only what was touched recently.
+the kernel's page cache keeps only what was touched recently (written blocks stay cached
+until the kernel needs the memory, as with any file).
 
 The disk file is reserved in full at startup (a full disk is a clear error then, not a
 SIGBUS in the middle of a step), is readable by this user only, and has no name: it is
