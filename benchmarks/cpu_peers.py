@@ -210,10 +210,17 @@ def llama_cpp(binaries: Path, gguf: Path, npl: list[int], threads: int, prefill:
 def run_worker(
     python: str, name: str, model: str, npl: list[int], kv_bytes: int, env: dict, prefill: int
 ):
+    if Path(model).exists():
+        model = str(Path(model).resolve())
     command = [python, __file__, "--worker", name, "--model", model]
     command += ["--npl", ",".join(map(str, npl)), "--kv-bytes", str(kv_bytes)]
     command += ["--prefill", str(prefill)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    # Workers run outside the checkout: vLLM inspects each new architecture in a child
+    # Python whose sys.path starts with its working directory, where the checkout's own
+    # kernels/ folder would hide Hugging Face's `kernels` package and fail the inspection.
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir()
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
