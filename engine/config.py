@@ -59,7 +59,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     quantization: str | None = None  # None | "awq"
-    max_model_len: int | None = None  # default: the model's context length (capped at 8192)
+    max_model_len: int | None = None  # default: the model's context length (kv_sizing.py)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = (
@@ -67,7 +67,7 @@ class EngineConfig:
     )
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None  # bytes of KV cache; CPU default 1 GiB
+    kv_cache_memory: int | None = None  # bytes of KV cache; CPU default: kv_sizing.py
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides both budgets above (tests)
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks; 0 = recompute

@@ -77,7 +77,7 @@ def _rotary_tables(model: torch.nn.Module) -> list[str]:
     digests = []
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            rows = torch.cat([module.cos[1:3], module.sin[1:3]]).float().cpu().contiguous()
+            rows = torch.cat(module.table_rows(slice(1, 3))).float().cpu().contiguous()
             digests.append(xxhash.xxh3_64_hexdigest(rows.numpy().tobytes()))
     return sorted(set(digests))
 

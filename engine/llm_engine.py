@@ -26,10 +26,10 @@ from .executor import build_executor
 from .generation_config import generation_defaults, read_generation_config
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
+from .kv_sizing import ContextFit, check_blocks_hold_a_sequence, fit_cpu_context, kv_bytes_per_block
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from .model_info import ModelInfo, PromptType
 from .model_loader import load_tokenizer, read_config, resolve_model
-from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
@@ -48,9 +48,6 @@ from .swap_space import SwapPlan, describe_swap
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "PromptType", "RequestGroup"]
-
-_DEFAULT_CPU_KV_BYTES = 1 * GiB
-_DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 class LLMEngine:
@@ -77,7 +74,12 @@ class LLMEngine:
         )
         self._check_num_threads()
         self.dtype = self.plan.dtype
+        block_size = config.block_size
+        bytes_per_block = kv_bytes_per_block(
+            self.model_config, block_size, self.plan.kv_cache_dtype, config.tensor_parallel_size
+        )
         self.max_model_len = self._resolve_max_model_len(source.context_length)
+        fit = self._fit_context(bytes_per_block)
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
         generation_config = read_generation_config(source.folder)
         self.eos_token_ids = self._eos_token_ids(generation_config)
@@ -99,11 +101,9 @@ class LLMEngine:
         self.model = self.executor.model  # this process's model (rank 0's shard under TP)
         self.vocab_size = self.model_config.vocab_size
 
-        block_size = config.block_size
         encoder = not self.model_config.causal
         self.max_num_batched_tokens = step_budget(config, self.device, self.max_model_len, encoder)
-        self.num_blocks = self._determine_num_blocks(block_size)
-        bytes_per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
+        self.num_blocks = self._determine_num_blocks(block_size, bytes_per_block, fit)
         swap = SwapPlan.from_sizes(
             config.swap_space, config.swap_disk_space, config.swap_dir, bytes_per_block
         )
@@ -164,7 +164,7 @@ class LLMEngine:
             logger.info("%s is an embedding model: %s", self.model_name, self.pooler.describe())
         logger.info(
             "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), "
-            "max_model_len %d%s",
+            "max_model_len %d%s%s",
             self.model_name,
             self.plan.describe(),
             self.model.stack_status() if hasattr(self.model, "stack_status") else "",
@@ -174,6 +174,7 @@ class LLMEngine:
             block_size,
             self.kv_cache_bytes / GiB,
             self.max_model_len,
+            fit.note,
             describe_swap(swap, bytes_per_block),
         )
 
@@ -197,18 +198,34 @@ class LLMEngine:
 
     def _resolve_max_model_len(self, model_default: int | None) -> int:
         """The setting, else the model's own (an Ollama num_ctx), else its context length
-        capped at _DEFAULT_MAX_MODEL_LEN_CAP."""
+        (which `_fit_context` may lower to what the KV cache holds)."""
         limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:
             # sentence-transformers' max_seq_length: the length the model was tuned for
             # (all-MiniLM-L6-v2: 256 of its 512 positions).
             trained = self.pooler.max_seq_length if not self.model_config.causal else None
-            return min(limit, trained or limit, model_default or _DEFAULT_MAX_MODEL_LEN_CAP)
+            return min(limit, trained or limit, model_default or limit)
         if self.config.max_model_len > limit and (
             not self.model_config.rope_scaling or not self.model_config.causal
         ):
             raise ContextLengthError(self.config.max_model_len, limit)
         return self.config.max_model_len
+
+    def _fit_context(self, bytes_per_block: int) -> ContextFit:
+        """A CPU engine's KV budget, with max_model_len lowered to it when not set (before
+        the model is built: rotary tables and long-context scaling follow max_model_len)."""
+        config = self.config
+        if self.device.type != "cpu" or not self.model_config.causal or config.num_kv_blocks:
+            return ContextFit(self.max_model_len, 0)
+        fit = fit_cpu_context(
+            self.max_model_len,
+            config.max_model_len is None,
+            config.kv_cache_memory,
+            bytes_per_block,
+            config.block_size,
+        )
+        self.max_model_len = fit.max_model_len
+        return fit
 
     def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -240,8 +257,7 @@ class LLMEngine:
             )
         raise ValueError(f"unsupported quantization method {method!r} (pagedllm runs AWQ)")
 
-    def _determine_num_blocks(self, block_size: int) -> int:
-        per_block = kv_bytes_per_block(self.model, block_size, self.plan.kv_cache_dtype)
+    def _determine_num_blocks(self, block_size: int, per_block: int, fit: ContextFit) -> int:
         if not self.model_config.causal:
             return 1  # an encoder keeps nothing between steps (the pool needs one block)
         if self.config.num_kv_blocks is not None:
@@ -250,15 +266,17 @@ class LLMEngine:
             tokens = min(self.max_num_batched_tokens, self.max_model_len)
             num_blocks = self.executor.profile_num_blocks(per_block, tokens, block_size)
         else:
-            budget = self.config.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
-            num_blocks = budget // per_block
-        min_blocks = -(-self.max_model_len // block_size)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one "
-                f"sequence of max_model_len {self.max_model_len} needs {min_blocks}; raise "
-                "kv_cache_memory / gpu_memory_utilization or lower max_model_len"
+            num_blocks = fit.kv_budget_bytes // per_block
+        holds = num_blocks * block_size
+        if self.config.max_model_len is None and 0 < holds < self.max_model_len:
+            # Not set: as long as the cache holds (vLLM's estimated maximum model length).
+            logger.warning(
+                "max_model_len lowered from the model's %d to %d tokens: what the KV cache holds",
+                self.max_model_len,
+                holds,
             )
+            self.max_model_len = holds
+        check_blocks_hold_a_sequence(num_blocks, block_size, self.max_model_len)
         return int(num_blocks)
 
     # ----------------------------------------------------------- request flow

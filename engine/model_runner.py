@@ -95,12 +95,6 @@ def kv_cache_shapes(
     return shape, shape
 
 
-def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
-
-
 def _zeros_on_huge_pages(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:

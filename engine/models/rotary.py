@@ -103,8 +103,12 @@ class RotaryEmbedding(nn.Module):
     features of each head turn; the rest pass through.
     """
 
-    cos: torch.Tensor  # buffers [max positions, rotary_dim] (register_buffer)
-    sin: torch.Tensor
+    # Module path: buffers [max positions, rotary_dim] in the model's dtype. The fused
+    # kernel reads only the first half of each row (the two halves are equal), so with
+    # `fused` only those halves are kept, in float32 (`half_tables`): a 40,960-position
+    # table (Qwen3's context) costs 21 MiB instead of 63.
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
 
     def __init__(
         self,
@@ -121,31 +125,47 @@ class RotaryEmbedding(nn.Module):
         self.fused = fused  # the C++ kernel (backend.fused_kernels), fixed at construction
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
+        self.dtype = dtype
         inv_freq = rope_inv_freq(self.rotary_dim, rope_theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, rotary_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rotary_dim]
         factor = rope_attention_factor(scaling)
-        cos, sin = emb.cos() * factor, emb.sin() * factor
-        self.register_buffer("cos", cos.to(dtype).to(device), persistent=False)
-        self.register_buffer("sin", sin.to(dtype).to(device), persistent=False)
+        # The rows' values in the model's dtype, whichever form holds them.
+        half_cos = (freqs.cos() * factor).to(dtype)
+        half_sin = (freqs.sin() * factor).to(dtype)
+        # The fused kernel reads cos/sin [P, rotary_dim/2] float32.
+        self._half_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        if fused:
+            self._half_tables = (half_cos.float().to(device), half_sin.float().to(device))
+            cos = sin = None
+        else:
+            cos = torch.cat((half_cos, half_cos), dim=-1).to(device)  # [P, rotary_dim]
+            sin = torch.cat((half_sin, half_sin), dim=-1).to(device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         # Every layer of one forward pass gets the same positions tensor: look its cos/sin
         # rows up once per pass, not once per layer.
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        # The fused kernel reads cos/sin [P, D/2] (the two halves of each row are equal).
-        self._half_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def half_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [P, rotary_dim / 2] float32, what the fused kernel reads (the two halves
         of each cached row are equal); the first rotary_dim features of a head turn."""
         if self._half_tables is None:
+            assert self.cos is not None and self.sin is not None
             half = self.rotary_dim // 2
             self._half_tables = (
                 self.cos[:, :half].float().contiguous(),
                 self.sin[:, :half].float().contiguous(),
             )
         return self._half_tables
+
+    def table_rows(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows [n, rotary_dim] in the model's dtype, whichever form is kept."""
+        if self.cos is not None and self.sin is not None:
+            return self.cos[rows], self.sin[rows]
+        cos, sin = (half[rows].to(self.dtype) for half in self.half_tables())
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -154,6 +174,7 @@ class RotaryEmbedding(nn.Module):
         if self.fused:
             _fused_ops().rotary_neox_(q, k, positions, *self.half_tables())
             return q, k
+        assert self.cos is not None and self.sin is not None  # kept unless fused
         if positions is not self._positions or self._cos_sin is None:
             self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             self._positions = positions
