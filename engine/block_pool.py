@@ -10,6 +10,11 @@ possible for a future prefix hit. A hit on a free block takes it out of the midd
 the queue in O(1).
 
     head -> [unhashed ...][hashed, least recently used ... most recently used] <- tail
+
+Tiers. With a KV disk tier (engine/kv_disk_tier.py) the blocks from `memory_blocks` on
+live in a file that the kernel pages; they have a queue of their own, in the same order,
+and are handed out only when no memory block is free, so the file takes only what memory
+cannot hold.
 """
 
 from __future__ import annotations
@@ -93,29 +98,45 @@ class FreeBlockQueue:
 class BlockPool:
     """All KV blocks of one engine and the hash -> block index of the prefix cache."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, memory_blocks: int | None = None) -> None:
+        """memory_blocks: the blocks in memory, the first ones (default: all of them)."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.memory_blocks = num_blocks if memory_blocks is None else memory_blocks
+        assert 0 <= self.memory_blocks <= num_blocks, (memory_blocks, num_blocks)
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = FreeBlockQueue(self.blocks[: self.memory_blocks])
+        self.disk_queue = FreeBlockQueue(self.blocks[self.memory_blocks :])
         self.cached: dict[int, KVCacheBlock] = {}
+        self.num_disk_blocks_taken = 0  # disk-tier blocks handed out, since start
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.disk_queue)
+
+    @property
+    def num_disk_blocks_in_use(self) -> int:
+        return self.num_blocks - self.memory_blocks - len(self.disk_queue)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def _queue_of(self, block: KVCacheBlock) -> FreeBlockQueue:
+        return self.free_queue if block.block_id < self.memory_blocks else self.disk_queue
+
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, only {self.num_free_blocks} free")
         blocks = []
         for _ in range(n):
-            block = self.free_queue.popleft()
+            if len(self.free_queue):
+                block = self.free_queue.popleft()
+            else:
+                block = self.disk_queue.popleft()
+                self.num_disk_blocks_taken += 1
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
@@ -125,7 +146,7 @@ class BlockPool:
         """Take a reference on blocks found in the prefix cache."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                self._queue_of(block).remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
@@ -135,9 +156,9 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"double free of {block}"
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self.free_queue.appendleft(block)
+                    self._queue_of(block).appendleft(block)
                 else:
-                    self.free_queue.append(block)
+                    self._queue_of(block).append(block)
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
         block = self.cached.get(block_hash)
@@ -174,7 +195,8 @@ class BlockPool:
 
     def check_consistency(self) -> None:
         """Every block is either referenced or free, never both; the index points at itself."""
-        free_ids = {b.block_id for b in self.free_queue}
+        free_ids = {b.block_id for b in self.free_queue} | {b.block_id for b in self.disk_queue}
+        assert all(b.block_id < self.memory_blocks for b in self.free_queue)
         assert len(free_ids) == self.num_free_blocks
         for block in self.blocks:
             assert (block.ref_cnt == 0) == (block.block_id in free_ids), block

@@ -75,6 +75,10 @@ class EngineConfig:
     # (reserved at startup, unnamed, removed with the process) in swap_dir; default folder:
     # pagedllm's cache folder (~/.cache/pagedllm/swap).
     swap_disk_space: float = 0.0
+    # GiB of KV blocks past kv_cache_memory in a file the kernel pages (CPU, one process;
+    # engine/kv_disk_tier.py): one sequence, or many, may then need more KV than memory.
+    # Its file is made like the swap disk tier's, in swap_dir.
+    kv_disk_space: float = 0.0
     swap_dir: str | None = None
     # A directory where prefix-cache blocks outlive the process (engine/disk_prefix_cache.py)
     prefix_cache_dir: str | None = None
@@ -138,8 +142,18 @@ class EngineConfig:
             raise ValueError("swap_space must be >= 0 GiB")
         if self.swap_disk_space < 0:
             raise ValueError("swap_disk_space must be >= 0 GiB")
-        if self.swap_dir is not None and not self.swap_disk_space:
-            raise ValueError("swap_dir is set but swap_disk_space is 0: set both, or neither")
+        if self.kv_disk_space < 0:
+            raise ValueError("kv_disk_space must be >= 0 GiB")
+        if self.swap_dir is not None and not (self.swap_disk_space or self.kv_disk_space):
+            raise ValueError(
+                "swap_dir is set but swap_disk_space and kv_disk_space are 0: it is the "
+                "folder of their files; set one of them too, or no swap_dir"
+            )
+        if self.kv_disk_space and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "kv_disk_space is not supported with tensor_parallel_size > 1 (the disk tier "
+                "is one process's KV cache)"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.num_threads is not None:

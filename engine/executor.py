@@ -28,6 +28,7 @@ from torch import nn
 
 from .compute_plan import ComputePlan
 from .config import EngineConfig
+from .kv_disk_tier import NO_KV_DISK, KVDiskPlan
 from .model_loader import iter_weights
 from .model_runner import ModelRunner, profile_kv_blocks
 from .models.backend import backend_for
@@ -44,13 +45,21 @@ class Executor(Protocol):
     """Runs the model over one scheduled step."""
 
     model: nn.Module  # this process's model (a shard of it under tensor parallelism)
+    runner: ModelRunner | None  # this process's runner, once allocated
 
     def profile_num_blocks(self, per_block: int, tokens: int, block_size: int) -> int:
         """KV blocks that fit in GPU memory after a warm-up forward of `tokens` (CUDA only)."""
         ...
 
-    def allocate(self, num_blocks: int, block_size: int, swap: SwapPlan = NO_SWAP) -> None:
-        """Make the KV cache (and the swap space's tiers) on every rank."""
+    def allocate(
+        self,
+        num_blocks: int,
+        block_size: int,
+        swap: SwapPlan = NO_SWAP,
+        kv_disk: KVDiskPlan = NO_KV_DISK,
+    ) -> None:
+        """Make the KV cache (and the swap space's tiers) on every rank; its last
+        kv_disk.blocks blocks in the KV disk tier (one process only)."""
         ...
 
     def execute(
@@ -100,7 +109,13 @@ class LocalExecutor:
         spec = self.config.speculation
         return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
-    def allocate(self, num_blocks: int, block_size: int, swap: SwapPlan = NO_SWAP) -> None:
+    def allocate(
+        self,
+        num_blocks: int,
+        block_size: int,
+        swap: SwapPlan = NO_SWAP,
+        kv_disk: KVDiskPlan = NO_KV_DISK,
+    ) -> None:
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -109,6 +124,7 @@ class LocalExecutor:
             attention_backend=self.plan.attention_backend,
             swap=swap,
             kv_cache_dtype=self.plan.kv_cache_dtype,
+            kv_disk=kv_disk,
         )
 
     def execute(

@@ -43,10 +43,13 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         model_identity: str = "",
+        memory_blocks: int | None = None,
     ) -> None:
+        """memory_blocks: the first blocks, in memory; the rest are the KV disk tier's
+        (engine/kv_disk_tier.py). Default: all in memory."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, memory_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's blocks are registered in the prefix cache.
         self.req_num_cached_blocks: dict[str, int] = {}

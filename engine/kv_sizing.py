@@ -61,27 +61,33 @@ def fit_cpu_context(
     per_block: int,
     block_size: int,
     memory_bytes: int | None = None,
+    disk_blocks: int = 0,
 ) -> ContextFit:
-    """The KV budget for a CPU engine, and max_model_len lowered to fit it when the user
-    did not set max_model_len (`defaulted`). An explicit max_model_len the budget cannot
-    hold is left for the block count check to refuse."""
+    """The KV budget for a CPU engine, and max_model_len lowered to fit it (with the KV
+    disk tier's `disk_blocks`) when the user did not set max_model_len (`defaulted`). An
+    explicit max_model_len the two cannot hold is left for the block count check to refuse."""
     full_sequence = -(-max_model_len // block_size) * per_block
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     else:
         memory = machine_memory_bytes() if memory_bytes is None else memory_bytes
         ceiling = max(DEFAULT_CPU_KV_BYTES, memory // DEFAULT_KV_SHARE_OF_MEMORY)
-        budget = min(max(DEFAULT_CPU_KV_BYTES, full_sequence), ceiling)
-    holds = (budget // per_block) * block_size
+        # The disk tier holds what a full sequence needs past the default budget.
+        memory_part = max(full_sequence - disk_blocks * per_block, 0)
+        budget = min(max(DEFAULT_CPU_KV_BYTES, memory_part), ceiling)
+    holds = (budget // per_block + disk_blocks) * block_size
     if not defaulted or holds >= max_model_len:
         return ContextFit(max_model_len, budget)
     setting = (
         "kv_cache_memory" if kv_cache_memory is not None else "a quarter of this machine's memory"
     )
+    if disk_blocks:
+        setting += " with kv_disk_space"
     note = (
         f" (the model's context is {max_model_len} tokens, which need "
         f"{full_sequence / GiB:.2f} GiB of KV cache; {setting} holds {holds}: set "
-        f"kv_cache_memory={full_sequence} for the whole context, or max_model_len)"
+        f"kv_cache_memory={full_sequence} (or kv_disk_space) for the whole context, or "
+        "max_model_len)"
     )
     logger.warning("max_model_len lowered to %d%s", holds, note)
     return ContextFit(holds, budget, note)

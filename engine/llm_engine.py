@@ -26,6 +26,7 @@ from .executor import build_executor
 from .generation_config import generation_defaults, read_generation_config
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
+from .kv_disk_tier import NO_KV_DISK, KVDiskPlan
 from .kv_sizing import ContextFit, check_blocks_hold_a_sequence, fit_cpu_context, kv_bytes_per_block
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from .model_info import ModelInfo, PromptType
@@ -79,7 +80,8 @@ class LLMEngine:
             self.model_config, block_size, self.plan.kv_cache_dtype, config.tensor_parallel_size
         )
         self.max_model_len = self._resolve_max_model_len(source.context_length)
-        fit = self._fit_context(bytes_per_block)
+        kv_disk = self._kv_disk_plan(bytes_per_block)
+        fit = self._fit_context(bytes_per_block, kv_disk.blocks)
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
         generation_config = read_generation_config(source.folder)
         self.eos_token_ids = self._eos_token_ids(generation_config)
@@ -103,13 +105,18 @@ class LLMEngine:
 
         encoder = not self.model_config.causal
         self.max_num_batched_tokens = step_budget(config, self.device, self.max_model_len, encoder)
-        self.num_blocks = self._determine_num_blocks(block_size, bytes_per_block, fit)
+        memory_blocks = self._determine_num_blocks(block_size, bytes_per_block, fit, kv_disk)
+        self.num_blocks = memory_blocks + kv_disk.blocks  # the pool's: memory, then disk
         swap = SwapPlan.from_sizes(
             config.swap_space, config.swap_disk_space, config.swap_dir, bytes_per_block
         )
-        self.kv_cache_bytes = self.num_blocks * bytes_per_block
+        self.kv_cache_bytes = memory_blocks * bytes_per_block  # in memory
         self.kv_manager = KVCacheManager(
-            self.num_blocks, block_size, config.enable_prefix_caching, model_identity=source.origin
+            self.num_blocks,
+            block_size,
+            config.enable_prefix_caching,
+            model_identity=source.origin,
+            memory_blocks=memory_blocks,
         )
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -122,7 +129,7 @@ class LLMEngine:
             proposer=NgramProposer(config.speculation) if config.speculation else None,
             encoder_only=encoder,
         )
-        self.executor.allocate(self.num_blocks, block_size, swap)
+        self.executor.allocate(self.num_blocks, block_size, swap, kv_disk)
         self.disk_cache: DiskPrefixCache | None = None
         if config.prefix_cache_dir is not None:
             self.disk_cache = DiskPrefixCache.create(
@@ -163,16 +170,17 @@ class LLMEngine:
         if encoder:
             logger.info("%s is an embedding model: %s", self.model_name, self.pooler.describe())
         logger.info(
-            "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB), "
+            "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB)%s, "
             "max_model_len %d%s%s",
             self.model_name,
             self.plan.describe(),
             self.model.stack_status() if hasattr(self.model, "stack_status") else "",
             self.device,
             self.load_time,
-            self.num_blocks,
+            memory_blocks,
             block_size,
             self.kv_cache_bytes / GiB,
+            kv_disk.describe(bytes_per_block),
             self.max_model_len,
             fit.note,
             describe_swap(swap, bytes_per_block),
@@ -211,9 +219,23 @@ class LLMEngine:
             raise ContextLengthError(self.config.max_model_len, limit)
         return self.config.max_model_len
 
-    def _fit_context(self, bytes_per_block: int) -> ContextFit:
-        """A CPU engine's KV budget, with max_model_len lowered to it when not set (before
-        the model is built: rotary tables and long-context scaling follow max_model_len)."""
+    def _kv_disk_plan(self, bytes_per_block: int) -> KVDiskPlan:
+        """The KV disk tier (kv_disk_space): a CPU decoder's, in one process."""
+        if not self.config.kv_disk_space:
+            return NO_KV_DISK
+        if self.device.type != "cpu" or not self.model_config.causal:
+            raise ValueError(
+                f"kv_disk_space is for a decoder's KV cache on a CPU; this engine runs "
+                f"{'an encoder' if not self.model_config.causal else 'on ' + str(self.device)}"
+            )
+        return KVDiskPlan.from_size(
+            self.config.kv_disk_space, self.config.swap_dir, bytes_per_block
+        )
+
+    def _fit_context(self, bytes_per_block: int, disk_blocks: int) -> ContextFit:
+        """A CPU engine's KV budget, with max_model_len lowered to it (and the KV disk
+        tier's blocks) when not set: before the model is built, as rotary tables and
+        long-context scaling follow max_model_len."""
         config = self.config
         if self.device.type != "cpu" or not self.model_config.causal or config.num_kv_blocks:
             return ContextFit(self.max_model_len, 0)
@@ -223,6 +245,7 @@ class LLMEngine:
             config.kv_cache_memory,
             bytes_per_block,
             config.block_size,
+            disk_blocks=disk_blocks,
         )
         self.max_model_len = fit.max_model_len
         return fit
@@ -257,7 +280,10 @@ class LLMEngine:
             )
         raise ValueError(f"unsupported quantization method {method!r} (pagedllm runs AWQ)")
 
-    def _determine_num_blocks(self, block_size: int, per_block: int, fit: ContextFit) -> int:
+    def _determine_num_blocks(
+        self, block_size: int, per_block: int, fit: ContextFit, kv_disk: KVDiskPlan
+    ) -> int:
+        """KV blocks in memory; with the disk tier's, they must hold one sequence."""
         if not self.model_config.causal:
             return 1  # an encoder keeps nothing between steps (the pool needs one block)
         if self.config.num_kv_blocks is not None:
@@ -267,7 +293,7 @@ class LLMEngine:
             num_blocks = self.executor.profile_num_blocks(per_block, tokens, block_size)
         else:
             num_blocks = fit.kv_budget_bytes // per_block
-        holds = num_blocks * block_size
+        holds = (num_blocks + kv_disk.blocks) * block_size
         if self.config.max_model_len is None and 0 < holds < self.max_model_len:
             # Not set: as long as the cache holds (vLLM's estimated maximum model length).
             logger.warning(
@@ -276,7 +302,7 @@ class LLMEngine:
                 holds,
             )
             self.max_model_len = holds
-        check_blocks_hold_a_sequence(num_blocks, block_size, self.max_model_len)
+        check_blocks_hold_a_sequence(num_blocks + kv_disk.blocks, block_size, self.max_model_len)
         return int(num_blocks)
 
     # ----------------------------------------------------------- request flow
@@ -452,6 +478,7 @@ class LLMEngine:
     def scheduler_stats(self) -> SchedulerStats:
         running, kv, block_size = self.scheduler.running, self.kv_manager, self.config.block_size
         swapped_host, swapped_disk = self.scheduler.swapped_blocks()
+        runner = self.executor.runner
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -467,6 +494,9 @@ class LLMEngine:
             swapped_blocks_disk=swapped_disk,
             blocks_swapped_out=self.scheduler.num_blocks_swapped_out,
             blocks_swapped_in=self.scheduler.num_blocks_swapped_in,
+            kv_disk_blocks=kv.pool.num_disk_blocks_in_use,
+            kv_disk_blocks_taken=kv.pool.num_disk_blocks_taken,
+            kv_disk_block_reads=runner.kv_disk_block_reads if runner is not None else 0,
         )
 
     def _log_stats(self, iteration: IterationStats) -> None:

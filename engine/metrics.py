@@ -37,6 +37,11 @@ class SchedulerStats:
     swapped_blocks_disk: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+    # KV disk tier (engine/kv_disk_tier.py): its blocks held by requests now, and
+    # cumulative blocks handed out from it (spilled past memory) and read by steps.
+    kv_disk_blocks: int = 0
+    kv_disk_blocks_taken: int = 0
+    kv_disk_block_reads: int = 0
 
 
 @dataclass(slots=True)
@@ -212,6 +217,9 @@ class EngineCounters:
                 "swapped_blocks_disk": s.swapped_blocks_disk,
                 "blocks_swapped_out": s.blocks_swapped_out,
                 "blocks_swapped_in": s.blocks_swapped_in,
+                "kv_disk_blocks": s.kv_disk_blocks,
+                "kv_disk_blocks_taken": s.kv_disk_blocks_taken,
+                "kv_disk_block_reads": s.kv_disk_block_reads,
                 **self.spec.as_dict(),
             }
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .attention_metadata import AttentionMetadata
+from .kv_disk_tier import NO_KV_DISK, KVDiskFile, KVDiskPlan
 from .models.causal_lm import CausalLM
 from .pooling import PooledParts, pool_step
 from .scheduler import SchedulerOutput
@@ -130,7 +131,9 @@ class ModelRunner:
         attention_backend: str = "auto",
         swap: SwapPlan = NO_SWAP,
         kv_cache_dtype: torch.dtype | None = None,
+        kv_disk: KVDiskPlan = NO_KV_DISK,
     ):
+        """num_blocks: every KV block, the last kv_disk.blocks of them in the disk tier."""
         cfg = model.config
         kv_dtype = kv_cache_dtype or model.dtype
         self.model = model
@@ -141,13 +144,24 @@ class ModelRunner:
             attention_backend, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim
         )
         # One (key, value) pair of tensors per layer; blocks along dim 0 in every layout.
-        self.kv_caches = [
-            (
-                _zeros_on_huge_pages(k_shape, kv_dtype, device),
-                _zeros_on_huge_pages(v_shape, kv_dtype, device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        disk_file = None
+        if kv_disk.blocks:
+            disk_file = KVDiskFile(kv_disk, [k_shape, v_shape] * cfg.num_layers, kv_dtype)
+
+        def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+            if disk_file is not None:
+                return disk_file.zeros(shape)
+            return _zeros_on_huge_pages(shape, kv_dtype, device)
+
+        try:
+            self.kv_caches = [(zeros(k_shape), zeros(v_shape)) for _ in range(cfg.num_layers)]
+        finally:
+            if disk_file is not None:
+                disk_file.close()  # the mappings hold the file; an early failure frees it
+        # Blocks from here on are in the disk tier; steps count how many they read.
+        self.first_disk_block = num_blocks - kv_disk.blocks
+        self.num_blocks = num_blocks
+        self.kv_disk_block_reads = 0
         self.swap_space = SwapSpace(
             swap, k_shape, v_shape, cfg.num_layers, kv_dtype, pin_memory=device.type == "cuda"
         )
@@ -197,6 +211,8 @@ class ModelRunner:
                 sampled_rows.append(i)
                 logit_rows.extend(range(end - 1 - num_drafts, end))
             offset = end
+        if self.first_disk_block < self.num_blocks:
+            self.kv_disk_block_reads += int(np.count_nonzero(block_tables >= self.first_disk_block))
         to = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(to),

@@ -116,8 +116,9 @@ def default_swap_dir() -> str:
     return str(folder)
 
 
-def _unnamed_file(folder: str, nbytes: int) -> int:
-    """A read-write fd of a new file of nbytes in folder that no other process can open.
+def unnamed_file(folder: str, nbytes: int, setting: str = "swap_disk_space") -> int:
+    """A read-write fd of a new file of nbytes in folder that no other process can open
+    (`setting`: what sized it, for the error when the disk is too small).
 
     O_TMPFILE makes it without a name; where the file system lacks it, a private named
     file is unlinked at once. The space is reserved now (posix_fallocate), so that writing
@@ -132,8 +133,8 @@ def _unnamed_file(folder: str, nbytes: int) -> int:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as error:
             raise OSError(
-                f"cannot reserve {nbytes / GiB:.2f} GiB of disk swap space in {folder}: "
-                f"{error.strerror}; lower swap_disk_space or choose another swap_dir"
+                f"cannot reserve {nbytes / GiB:.2f} GiB of disk in {folder}: "
+                f"{error.strerror}; lower {setting} or choose another swap_dir"
             ) from error
     except BaseException:
         os.close(fd)
@@ -174,7 +175,7 @@ class SwapSpace:
         k_numel = plan.disk_blocks * math.prod(k_block)
         v_numel = plan.disk_blocks * math.prod(v_block)
         nbytes = num_layers * (k_numel + v_numel) * element
-        fd = _unnamed_file(plan.disk_dir, nbytes)
+        fd = unnamed_file(plan.disk_dir, nbytes)
         try:
             self._mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         finally:

@@ -45,9 +45,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="GiB of disk for the preempted blocks host swap space cannot hold (default 0)",
     )
     parser.add_argument(
+        "--kv-disk-space",
+        type=float,
+        default=0.0,
+        help="GiB of KV blocks past --kv-cache-memory in a file the kernel pages, so that "
+        "contexts may need more KV than memory (CPU; default 0)",
+    )
+    parser.add_argument(
         "--swap-dir",
         default=None,
-        help="folder of the disk swap file (default: ~/.cache/pagedllm/swap)",
+        help="folder of the disk swap and KV disk tier files (default: ~/.cache/pagedllm/swap)",
     )
     parser.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
@@ -80,6 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         prefix_cache_max_gib=args.prefix_cache_max_gib,
         swap_space=args.swap_space,
         swap_disk_space=args.swap_disk_space,
+        kv_disk_space=args.kv_disk_space,
         swap_dir=args.swap_dir,
         enable_chunked_prefill=args.enable_chunked_prefill,
         device=args.device,

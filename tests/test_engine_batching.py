@@ -136,9 +136,11 @@ def test_swapping_preempted_requests_to_disk_keeps_outputs_and_leaves_no_file(
 def test_swap_settings_that_cannot_work_are_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="swap_disk_space must be >= 0"):
         LLM(str(tiny_llama_dir), swap_disk_space=-1)
-    with pytest.raises(ValueError, match="swap_dir is set but swap_disk_space is 0"):
+    with pytest.raises(
+        ValueError, match="swap_dir is set but swap_disk_space and kv_disk_space are 0"
+    ):
         LLM(str(tiny_llama_dir), swap_dir=str(tmp_path))
-    with pytest.raises(OSError, match=r"cannot reserve .* GiB of disk swap space"):
+    with pytest.raises(OSError, match=r"cannot reserve .* GiB of disk in .*lower swap_disk_space"):
         LLM(str(tiny_llama_dir), swap_disk_space=1e6, swap_dir=str(tmp_path))
 
 

@@ -76,13 +76,15 @@ def test_prompt_size_classes_and_the_client_label_bound():
     assert 'client="other"' in text
 
 
-def test_swap_tiers_reach_prometheus_and_top():
+def test_swap_tiers_and_the_kv_disk_tier_reach_prometheus_and_top():
     logger = PrometheusStatLogger("m")
     before = top.parse_metrics(generate_latest(logger.registry).decode(), at=0.0)
     assert "swap " not in top.render("http://x", None, before)  # no swap: no line
+    assert "kv disk" not in top.render("http://x", None, before)
     stats = SchedulerStats(
-        swapped_blocks_host=3, swapped_blocks_disk=5, blocks_swapped_out=12, blocks_swapped_in=4
-    )
+        swapped_blocks_host=3, swapped_blocks_disk=5, blocks_swapped_out=12, blocks_swapped_in=4,
+        kv_disk_blocks=7, kv_disk_blocks_taken=20, kv_disk_block_reads=90,
+    )  # fmt: skip
     logger.record(stats, IterationStats())
     logger.record(stats, IterationStats())  # totals are not counted twice
     text = generate_latest(logger.registry).decode()
@@ -91,3 +93,6 @@ def test_swap_tiers_reach_prometheus_and_top():
     screen = top.render("http://x", None, top.parse_metrics(text, at=1.0))
     swap = next(line for line in screen.splitlines() if line.startswith("swap"))
     assert "host      3" in swap and "disk      5" in swap and "out 12, back in 4" in swap
+    assert 'pagedllm:kv_disk_tier_block_reads_total{model_name="m"} 90.0' in text
+    tier = next(line for line in screen.splitlines() if line.startswith("kv disk"))
+    assert "in use      7" in tier and "taken 20, read by steps 90" in tier

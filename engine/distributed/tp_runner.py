@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import EngineConfig
+from ..kv_disk_tier import NO_KV_DISK, KVDiskPlan
 from ..model_runner import ModelRunner, profile_kv_blocks
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
@@ -211,8 +212,15 @@ class TensorParallelExecutor:
             box, src=0, device=self.device if self.dist_backend == "nccl" else None
         )
 
-    def allocate(self, num_blocks: int, block_size: int, swap: SwapPlan = NO_SWAP) -> None:
+    def allocate(
+        self,
+        num_blocks: int,
+        block_size: int,
+        swap: SwapPlan = NO_SWAP,
+        kv_disk: KVDiskPlan = NO_KV_DISK,
+    ) -> None:
         """Make every rank's KV cache and swap space (this rank's in a ModelRunner)."""
+        assert not kv_disk.blocks, "the KV disk tier is one process's (refused by the config)"
         self._check_alive()
         header = dict(
             op="allocate",

@@ -92,6 +92,16 @@ class PrometheusStatLogger:
         self.swapped_in = counter(
             "kv_blocks_swapped_in", "KV blocks copied from swap space back to the cache."
         )
+        self.kv_disk_blocks = gauge(
+            "kv_disk_tier_blocks", "KV blocks of running requests in the KV disk tier's file."
+        )
+        self.kv_disk_taken = counter(
+            "kv_disk_tier_blocks_taken",
+            "KV blocks handed out from the disk tier (memory had none free).",
+        )
+        self.kv_disk_reads = counter(
+            "kv_disk_tier_block_reads", "KV blocks of the disk tier read by steps' attention."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._success = Counter(
@@ -174,8 +184,8 @@ class PrometheusStatLogger:
         self._spec_total = SpecDecodingStats()
         self._lock = threading.Lock()
         # prefix queries, prefix hits, preemptions, disk-loaded and disk-written tokens,
-        # blocks swapped out and in
-        self._last_cumulative: tuple[int, ...] = (0,) * 7
+        # blocks swapped out and in, disk-tier blocks taken and read
+        self._last_cumulative: tuple[int, ...] = (0,) * 9
 
     # ----------------------------------------------------- engine thread, every step
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
@@ -222,6 +232,7 @@ class PrometheusStatLogger:
         self.kv_usage.set(scheduler.kv_cache_usage)
         self.swapped_host.set(scheduler.swapped_blocks_host)
         self.swapped_disk.set(scheduler.swapped_blocks_disk)
+        self.kv_disk_blocks.set(scheduler.kv_disk_blocks)
         current = (
             scheduler.prefix_cache_queries,
             scheduler.prefix_cache_hits,
@@ -230,6 +241,8 @@ class PrometheusStatLogger:
             scheduler.prefix_cache_disk_written,
             scheduler.blocks_swapped_out,
             scheduler.blocks_swapped_in,
+            scheduler.kv_disk_blocks_taken,
+            scheduler.kv_disk_block_reads,
         )
         with self._lock:
             # max(): a total never goes back, even if two snapshots arrive out of order.
@@ -240,6 +253,7 @@ class PrometheusStatLogger:
         cumulative = (
             self.prefix_queries, self.prefix_hits, self.preemptions,
             self.disk_loaded, self.disk_written, self.swapped_out, self.swapped_in,
+            self.kv_disk_taken, self.kv_disk_reads,
         )  # fmt: skip
         for metric, delta in zip(cumulative, deltas):
             if delta:
