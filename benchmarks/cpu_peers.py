@@ -172,13 +172,16 @@ WORKERS = {"pagedllm": worker_pagedllm, "vllm": worker_vllm}
 
 
 # ----------------------------------------------------------------------- peers
-def _batched_bench(binaries: Path, gguf: Path, n: int, prompt: int, gen: int, threads: int):
-    """One llama-batched-bench run: (its table's cells for `prompt`, peak RSS in MiB)."""
+def _batched_bench(
+    binaries: Path, gguf: Path, n: int, prompt: int, gen: int, threads: int, extra=()
+):
+    """One llama-batched-bench run: (its table's cells for `prompt`, peak RSS in MiB);
+    `extra`: more of its flags (e.g. "-fa", "on")."""
     command = [
         "/usr/bin/time", "-f", "peak_rss_kib %M", str(binaries / "llama-batched-bench"),
         "-m", str(gguf), "-c", str(n * (prompt + gen)), "-b", "2048", "-ub", "512",
         "-npp", str(prompt), "-ntg", str(gen), "-npl", str(n),
-        "-t", str(threads), "-tb", str(threads),
+        "-t", str(threads), "-tb", str(threads), *extra,
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     text = done.stdout + done.stderr
