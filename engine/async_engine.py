@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import gc
 import logging
 import queue
 import threading
@@ -32,6 +30,7 @@ from typing import Any
 from . import cpu_share
 from .client import DEFAULT_STALL_SECONDS, EngineClient
 from .config import EngineConfig
+from .heap import release_freed_memory
 from .llm_engine import LLMEngine, RequestGroup
 from .metrics import SchedulerStats
 from .outputs import RequestOutput
@@ -418,17 +417,6 @@ def _load_off_thread(config: EngineConfig) -> LLMEngine:
     # model; the engine's steps reuse that arena and fault in only what they need).
     release_freed_memory()
     return result[0]
-
-
-def release_freed_memory() -> None:
-    """Collect what was just dropped and hand freed heap pages back to the OS.
-
-    glibc keeps freed small and medium allocations in its arenas; malloc_trim returns the
-    free pages, so the resident size of the process drops once an engine is gone.
-    """
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,7 @@ from .config import ContextLengthError, EngineConfig, GiB
 from .disk_prefix_cache import DiskPrefixCache
 from .executor import build_executor
 from .generation_config import generation_defaults, read_generation_config
+from .heap import release_freed_memory
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .kv_disk_tier import NO_KV_DISK, KVDiskPlan
@@ -83,6 +84,9 @@ class LLMEngine:
         kv_disk = self._kv_disk_plan(bytes_per_block)
         fit = self._fit_context(bytes_per_block, kv_disk.blocks)
         self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
+        # Parsing a large vocabulary's tokenizer.json peaks at hundreds of MiB (Gemma 3's:
+        # ~580): hand those pages back before the weights load, so the peaks do not add up.
+        release_freed_memory()
         generation_config = read_generation_config(source.folder)
         self.eos_token_ids = self._eos_token_ids(generation_config)
         self.generation_defaults = {

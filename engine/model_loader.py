@@ -166,9 +166,23 @@ def load_tokenizer(source: str | Path, revision: str | None = None):
         generic = _generic_fast_tokenizer(source)
         if generic is not None:
             return generic
-        return AutoTokenizer.from_pretrained(str(source), revision=revision)
+        return _drop_build_inputs(AutoTokenizer.from_pretrained(str(source), revision=revision))
     except Exception as error:
         raise ValueError(f"could not load a tokenizer from {source}: {error}") from error
+
+
+def _drop_build_inputs(tokenizer):
+    """Drop the Python copies of the vocabulary and merges that transformers' family
+    tokenizers (Gemma, Llama, Qwen2, ...: `TokenizersBackend` subclasses) keep after
+    building their Rust tokenizer from them. Nothing reads them afterwards (encoding,
+    decoding, added tokens and saving all go through `_tokenizer`), and for a large
+    vocabulary they are most of the tokenizer's memory: Gemma 3's 262,144 tokens and
+    514,906 merges held 150 MiB of Python objects."""
+    if getattr(tokenizer, "_tokenizer", None) is not None:
+        for name in ("_vocab", "_merges"):
+            if isinstance(getattr(tokenizer, name, None), (dict, list)):
+                setattr(tokenizer, name, None)
+    return tokenizer
 
 
 def _generic_fast_tokenizer(source: str | Path):

@@ -152,3 +152,45 @@ def test_a_large_tensor_is_decoded_a_slice_of_rows_at_a_time(tmp_path, monkeypat
         assert (f is None) == (g is None)
         if f is not None:
             assert torch.equal(f.multipliers, g.multipliers) and torch.equal(f.factors, g.factors)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K", "Q5_0"])
+def test_a_table_tiled_in_chunks_has_the_whole_weights_bits(tmp_path, type_name):
+    """Large tables (embeddings, LM heads) are tiled a chunk of rows at a time straight
+    from their blocks (`tile_in_chunks`): the same tiles and scales as the whole weight's,
+    the last tile partial; chunks that would choose another tile format fall back."""
+    from pagedllm_integrations.kernels import cpu_ext
+    from pagedllm_integrations.quant.packed_linear import kernel_weight, tile_in_chunks
+
+    if not cpu_ext.load():
+        pytest.skip("needs the C++ kernels")
+    data = _blocks(type_name, np.random.default_rng(5))
+    value = _write_and_read(tmp_path, type_name, data)
+    value = GGUFTensor(value.type_name, value.data[:-4], (ROWS - 4, COLS))  # 20 rows
+    whole = kernel_weight(to_packed(value.type_name, value.data, value.shape).compact())
+    chunked = tile_in_chunks(value, chunk_rows=16)
+    assert chunked is not None and chunked.kind == whole.kind
+    for got, want in zip(
+        (chunked.tiles, chunked.scales, chunked.mins), (whole.tiles, whole.scales, whole.mins)
+    ):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    assert tile_in_chunks(value, chunk_rows=32) is None  # one chunk: the whole path's job
+
+
+def test_chunks_that_choose_different_tile_formats_fall_back(tmp_path):
+    """An I8 table whose first rows all fit in 6 bits (zeros: Q8_0 maps every other
+    block's largest value to 127) and whose last do not: the chunks disagree (i6 against
+    i8), so it is tiled whole, as i8."""
+    from pagedllm_integrations.kernels import cpu_ext
+    from pagedllm_integrations.quant.packed_linear import table_weight, tile_in_chunks
+
+    if not cpu_ext.load():
+        pytest.skip("needs the C++ kernels")
+    values = np.zeros((32, COLS), dtype=np.float32)
+    values[16:] = np.random.default_rng(9).standard_normal((16, COLS))
+    data = quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    value = _write_and_read(tmp_path, "Q8_0", data)
+    assert tile_in_chunks(value, chunk_rows=16) is None
+    assert table_weight(value).kind == "i8"
