@@ -708,3 +708,20 @@ def test_attention_is_the_documented_recipe_bit_for_bit(
             qs = q[r, h].numpy() * np.float32(scale)  # as the kernel scales q
             want = _attend_recipe(qs, keys[:, kv], values[:, kv], first, last, soft_cap)
             assert torch.equal(out[r, h], torch.from_numpy(want)), (r, h)
+
+
+@pytest.mark.parametrize("hidden,experts", [(64, 8), (100, 7), (2048, 128)])
+def test_router_logits_do_not_depend_on_the_other_rows(hidden, experts):
+    """An MoE router's logits (router_logits): a row's are the same bits alone and in any
+    batch (torch's float32 matmul gives them otherwise), and as accurate as torch's."""
+    g = torch.Generator().manual_seed(hidden)
+    weight = torch.randn(experts, hidden, generator=g)
+    x = torch.randn(13, hidden, generator=g)
+    batched = ops().router_logits(x, weight)
+    for i in range(len(x)):
+        assert torch.equal(ops().router_logits(x[i : i + 1], weight), batched[i : i + 1])
+    assert torch.equal(ops().router_logits(x[3:9], weight), batched[3:9])
+    exact = x.double() @ weight.double().t()
+    ours = (batched.double() - exact).abs().max().item()
+    theirs = ((x @ weight.t()).double() - exact).abs().max().item()
+    assert ours <= 4 * theirs + 1e-6

@@ -198,6 +198,12 @@ def vector_kernel_cases() -> list[tuple[str, list, int | None]]:
         ("rms_norm", [x, torch.rand(hidden, generator=g) + 0.5, 1e-5], None),
         ("add_rms_norm", [x, torch.randn(5, hidden, generator=g), torch.rand(hidden), 1e-6], None),
         ("argmax_rows", [torch.randn(4, 1003, generator=g)], None),
+        # an MoE router: 7 experts (a partial pass of 4), 100 values (a tail past 6 x 16)
+        (
+            "router_logits",
+            [torch.randn(5, 100, generator=g), torch.randn(7, 100, generator=g)],
+            None,
+        ),
     ]
     logits = torch.randn(6, 1003, generator=g) * 4
     logits[1, 100:] = float("-inf")

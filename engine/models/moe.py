@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import GatedMLP, LinearFactory
+from .layers import GatedMLP, LinearFactory, _fused_ops
 
 
 class SparseMoE(nn.Module):
@@ -40,6 +40,7 @@ class SparseMoE(nn.Module):
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts {num_experts}")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.fused = fused  # the C++ kernels (backend.fused_kernels), fixed at construction
         # `gate` is the router's checkpoint name: [E, H]
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
         self.experts = nn.ModuleList(
@@ -58,8 +59,17 @@ class SparseMoE(nn.Module):
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
-        logits = F.linear(x, self.gate.weight)  # [T, E]
+        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k] int64).
+
+        With the C++ kernels (`fused`) the logits come from `router_logits`, whose every
+        element has one order of additions: torch's float32 matmul picks its blocking by
+        T, so a token's logits, and from them its expert weights, changed in their last
+        bits with the tokens that shared its step (a token's greedy output then depended
+        on its batch). The whole-step C++ stack routes with the same op."""
+        if self.fused and x.dtype == torch.float32:
+            logits = _fused_ops().router_logits(x, self.gate.weight)
+        else:
+            logits = F.linear(x, self.gate.weight)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -102,13 +102,14 @@ struct MoeWeights {
   bool norm_topk = false;
 
   // x [T, H] -> [T, H], the module's ops in its order (so the same bits): routing with
-  // torch's own linear, softmax and top-k; the (token, slot) pairs sorted by expert
+  // router_logits (ops.cpp: a token's logits do not depend on the tokens beside it),
+  // torch's softmax and top-k; the (token, slot) pairs sorted by expert
   // (stable), so each expert runs once over a contiguous slice of its tokens; the weighted
   // results added back per token in ascending expert order. Experts no token chose cost
   // nothing: a decode step reads only the routed experts' weights.
   Tensor forward(const Tensor& x, bool gelu) const {
     const int64_t experts = static_cast<int64_t>(gate_up.size());
-    Tensor probs = at::softmax(at::linear(x, router), -1, at::kFloat);
+    Tensor probs = at::softmax(api::router_logits(x, router), -1, at::kFloat);
     auto [weights, chosen] = at::topk(probs, top_k, -1);
     if (norm_topk) weights = weights / weights.sum(-1, /*keepdim=*/true);
     weights = weights.to(x.scalar_type());

@@ -19,6 +19,8 @@ Tensor gated_act(const Tensor& x, bool gelu, Tensor* out = nullptr);
 void head_rms_norm_(Tensor& x, const Tensor& weight, double eps);
 void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                      const Tensor& slot_mapping);
+// x [T, H] . weight [E, H]^T float32 by one fixed recipe per element (an MoE router).
+Tensor router_logits(const Tensor& x, const Tensor& weight);
 // attention.cpp
 void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                            Tensor& out, const Tensor& seq_ids, const Tensor& cu_seqlens_q,

@@ -257,6 +257,84 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
   });
 }
 
+// ----------------------------------------------------------- router logits
+// out [T, E] = x [T, H] . w [E, H]^T in float32 (an MoE router), every element by one
+// recipe: 16 partial sums, element h of the dot product into partial h % 16 with an exact
+// fused multiply-add, then the partials added pairwise, 8, 4, 2 and 1 apart. torch's
+// float32 matmul chooses its blocking by T, so a token's logits moved in their last bits
+// with the tokens beside it, and the softmax and top-k after them gave a token other
+// expert weights (at times other experts) alone than in a batch. With one recipe per
+// element a row's logits are the same whatever shares its step, and the same on every
+// instruction set: the vector code runs the 16 partials as lanes (one 16-lane register,
+// or two of 8), the scalar code as an array, each partial seeing the same operations.
+constexpr int kRouterLanes = 16;
+constexpr int kRouterRows = 4;  // weight rows per pass: 4 independent chains share x's loads
+
+// Partials [kRouterLanes] -> their sum, in the recipe's order.
+inline float sum_partials(float (&part)[kRouterLanes]) {
+  for (int width = kRouterLanes / 2; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) part[l] += part[l + width];
+  return part[0];
+}
+
+// Dot products of x (H floats) with `rows` (<= kRouterRows) weight rows, H apart -> out.
+inline void router_dots(const float* x, const float* w, int rows, int64_t h, float* out) {
+  float part[kRouterRows][kRouterLanes] = {};
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  __m512 acc[kRouterRows];
+  for (int r = 0; r < kRouterRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (; i + kRouterLanes <= h; i += kRouterLanes) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int r = 0; r < rows; ++r)
+      acc[r] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + r * h + i), acc[r]);
+  }
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(part[r], acc[r]);
+#elif defined(PAGEDLLM_AVX2)
+  __m256 lo[kRouterRows], hi[kRouterRows];  // lanes 0..7 and 8..15
+  for (int r = 0; r < kRouterRows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (; i + kRouterLanes <= h; i += kRouterLanes) {
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    for (int r = 0; r < rows; ++r) {
+      lo[r] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + r * h + i), lo[r]);
+      hi[r] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + r * h + i + 8), hi[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    _mm256_storeu_ps(part[r], lo[r]);
+    _mm256_storeu_ps(part[r] + 8, hi[r]);
+  }
+#endif
+  for (int r = 0; r < rows; ++r) {
+    for (int64_t j = i; j < h; ++j) {  // the rest (all of it without vectors), lane j % 16
+      float& p = part[r][j % kRouterLanes];
+      p = std::fma(x[j], w[r * h + j], p);
+    }
+    out[r] = sum_partials(part[r]);
+  }
+}
+
+Tensor router_logits(const Tensor& x_in, const Tensor& w_in) {
+  Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat &&
+                  w.scalar_type() == at::kFloat && x.size(1) == w.size(1),
+              "router_logits needs float32 x [T, H] and weight [E, H]");
+  const int64_t tokens = x.size(0), experts = w.size(0), h = x.size(1);
+  Tensor out = at::empty({tokens, experts}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t passes = (experts + kRouterRows - 1) / kRouterRows;  // per token
+  parallel_for(0, tokens * passes, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / passes, e = (item % passes) * kRouterRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kRouterRows, experts - e));
+      router_dots(xp + t * h, wp + e * h, rows, h, op + t * experts + e);
+    }
+  });
+  return out;
+}
+
 // ----------------------------------------------------------------- argmax
 // x [R, V] float32 -> int64 [R]: the index of each row's first maximum, as torch's
 // max(dim=-1).indices (a NaN counts as the maximum: the first NaN's index).
@@ -465,6 +543,9 @@ void write_kv_cache_(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
                      const Tensor& slot_mapping) {
   pagedllm::write_kv_cache_(k, v, k_cache, v_cache, slot_mapping);
 }
+Tensor router_logits(const Tensor& x, const Tensor& weight) {
+  return pagedllm::router_logits(x, weight);
+}
 }  // namespace api
 }  // namespace pagedllm
 
@@ -484,6 +565,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("gated_act(Tensor x, bool gelu) -> Tensor",
         [](const at::Tensor& x, bool gelu) { return pagedllm::gated_act(x, gelu); });
   m.def("argmax_rows(Tensor x) -> Tensor", &pagedllm::argmax_rows);
+  m.def("router_logits(Tensor x, Tensor weight) -> Tensor", &pagedllm::router_logits);
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u) -> Tensor",
         &pagedllm::sample_rows);
   m.def(
