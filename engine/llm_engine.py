@@ -35,6 +35,7 @@ from .model_loader import load_tokenizer, read_config, resolve_model
 from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
+from .output_step import commit_step
 from .outputs import RequestOutput
 from .pooling import read_pooler_config
 from .pooling_step import finish_pooled, model_tasks
@@ -380,7 +381,7 @@ class LLMEngine:
         self.consecutive_failed_steps = 0
         for index, message in failed.items():
             self._fail(out.scheduled[index].request, message, touched)
-        update = self.scheduler.update_from_output(out, tokens, logprobs, iteration)
+        update = commit_step(self.scheduler, out, tokens, logprobs, iteration)
         for request, message in update.failed:
             self._fail(request, message, touched)
         if out.num_pooling:

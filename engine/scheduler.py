@@ -9,8 +9,8 @@ free blocks allow. When blocks run out the lowest-ranked running request is pree
 
 With speculative decoding a decoding request also runs its draft tokens (a proposer's
 guesses of the tokens after its last one): they take budget and KV slots like any token,
-but only when there is room; a draft never preempts anyone. After the step the verified
-tokens are committed and the slots of rejected drafts are given back.
+but only when there is room; a draft never preempts anyone. After the step `advance` gives
+back the slots of rejected drafts, and engine/output_step.py commits the sampled tokens.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ import bisect
 import logging
 import os
 import time
-from collections.abc import Sequence
 
 from .client_share import StepShares
 from .kv_cache_manager import KVCacheManager, cdiv
-from .metrics import IterationStats
-from .request import LogprobInfo, Request, RequestStatus
-from .scheduler_output import ScheduledRequest, SchedulerOutput, StepUpdate
+from .request import Request, RequestStatus
+from .scheduler_output import ScheduledRequest, SchedulerOutput
 from .scheduler_policy import PriorityPolicy, SchedulingPolicy, make_policy
 from .spec_decode.ngram import NgramProposer
 from .swap_space import NO_SWAP, SwapPlan, SwapSlots
@@ -290,111 +288,20 @@ class Scheduler:
         on_disk = sum(1 for slot in held if self.swap.is_on_disk(slot))
         return len(held) - on_disk, on_disk
 
-    # ------------------------------------------------------------------ update
-    def update_from_output(
-        self,
-        out: SchedulerOutput,
-        sampled: Sequence[Sequence[int]],
-        logprobs: Sequence[Sequence[LogprobInfo | None]] | None = None,
-        iteration: IterationStats | None = None,
-    ) -> StepUpdate:
-        """Commit a step: advance computed counts, then append each request's new tokens
-        one by one, checking every stop condition after each, and finish what stopped.
-
-        sampled[i] are the tokens of out.scheduled[i] in order (empty when the step only
-        computed part of its prompt); logprobs[i] has one entry per token, when given.
-        For a request that ran draft tokens, sampled[i] is the accepted drafts and then one
-        more token: the rejected drafts' positions are not computed (their keys are stale
-        and overwritten later) and the blocks past its computed tokens are freed.
-        A token that cannot be committed (its grammar rejects it) fails that request only.
-        """
-        update = StepUpdate()
-        now = time.monotonic()
-        for index, (item, tokens) in enumerate(zip(out.scheduled, sampled)):
-            request = item.request
-            if request.is_finished:  # aborted while the step ran
-                continue
-            request.num_computed_tokens += item.num_tokens
-            if item.draft_token_ids:
-                num_accepted = max(len(tokens) - 1, 0)
-                assert num_accepted <= len(item.draft_token_ids), (item, tokens)
-                request.num_computed_tokens -= len(item.draft_token_ids) - num_accepted
-                self.kv.free_unused_slots(request)
-            if not tokens:
-                continue
-            infos = logprobs[index] if logprobs is not None else None
-            try:
-                for position, token in enumerate(tokens):
-                    info = infos[position] if infos is not None else None
-                    if self._commit_token(request, token, info, now, iteration):
-                        break
-            except Exception as error:  # one request's fault ends that request only
-                logger.exception("request %s failed", request.request_id)
-                update.failed.append((request, f"{type(error).__name__}: {error}"))
-            update.changed.append(request)
-        return update
-
-    def _commit_token(
-        self,
-        request: Request,
-        token: int,
-        info: LogprobInfo | None,
-        now: float,
-        iteration: IterationStats | None,
-    ) -> bool:
-        """Append one token and apply every stop condition; True when the request ended."""
-        request.append_output_token(token)
-        if iteration is not None:
-            if request.first_token_time is None:
-                iteration.time_to_first_tokens.append(now - request.arrival_time)
-                iteration.num_prompt_tokens += request.num_prompt_tokens
-            else:
-                iteration.inter_token_latencies.append(now - (request.last_token_time or now))
-            iteration.num_generation_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-        request.last_token_time = now
-        if info is not None and request.logprobs is not None:
-            request.record_logprobs(token, info)
-        status = None
-        if request.structured is not None:
-            if not request.structured.accept_token(token):
-                raise RuntimeError(f"token {token} was rejected by the request's grammar")
-            if request.structured.is_terminated():
-                status = RequestStatus.FINISHED_STOPPED
-        stop_string = None
-        if request.detokenizer is not None:
-            stop_string = request.detokenizer.add_token(token)
-            if stop_string is not None:
-                if request.num_output_tokens >= request.sampling_params.min_tokens:
-                    request.stop_reason = stop_string
-                    status = RequestStatus.FINISHED_STOPPED
-                else:
-                    stop_string = None
-        status = status or self.check_stop(request)
-        if status is None:
-            return False
-        if stop_string is None and request.detokenizer is not None:
-            request.detokenizer.flush()
-        self.finish_request(request, status)
-        return True
-
-    def check_stop(self, request: Request) -> RequestStatus | None:
-        """Stop conditions that need only token ids (stop strings are the detokenizer's)."""
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in params._eos_token_ids:
-                request.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:  # type: ignore[operator]  # a list once validated
-                request.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    # ---------------------------------------------------------- after a step
+    def advance(self, item: ScheduledRequest, num_sampled: int) -> None:
+        """The step computed `item`'s tokens. Of its draft tokens only the accepted ones
+        (num_sampled - 1: the last sampled token is the model's own) stay computed; the
+        rejected drafts' keys are stale, overwritten later, and the blocks past the
+        request's computed tokens are freed. Committing the sampled tokens is
+        engine/output_step.py's."""
+        request = item.request
+        request.num_computed_tokens += item.num_tokens
+        if item.draft_token_ids:
+            num_accepted = max(num_sampled - 1, 0)
+            assert num_accepted <= len(item.draft_token_ids), (item, num_sampled)
+            request.num_computed_tokens -= len(item.draft_token_ids) - num_accepted
+            self.kv.free_unused_slots(request)
 
     # ------------------------------------------------------------- invariants
     def _check_invariants(self, out: SchedulerOutput) -> None:

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm_integrations.engine.kv_cache_manager import KVCacheManager
+from pagedllm_integrations.engine.output_step import commit_step
 from pagedllm_integrations.engine.request import Request, RequestStatus
 from pagedllm_integrations.engine.sampling_params import SamplingParams
 from pagedllm_integrations.engine.scheduler import (
@@ -31,7 +32,7 @@ def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     """Pretend to run the model: every request whose prompt is done gets `token`."""
     out = scheduler.schedule()
     tokens = [[token] if item.completes_prompt else [] for item in out.scheduled]
-    update = scheduler.update_from_output(out, tokens)
+    update = commit_step(scheduler, out, tokens)
     assert not update.failed
     return out
 

@@ -7,6 +7,7 @@ import pytest
 
 from pagedllm_integrations.engine.client_share import _water_level
 from pagedllm_integrations.engine.kv_cache_manager import KVCacheManager
+from pagedllm_integrations.engine.output_step import commit_step
 from pagedllm_integrations.engine.request import Request, RequestStatus
 from pagedllm_integrations.engine.sampling_params import SamplingParams
 from pagedllm_integrations.engine.scheduler import Scheduler, SchedulerOutput, make_policy
@@ -27,7 +28,7 @@ def req(rid, prompt_len, client=None, max_tokens=1, arrival=0.0, start=0) -> Req
 def step(scheduler: Scheduler) -> SchedulerOutput:
     out = scheduler.schedule()  # asserts the scheduler's invariants (conftest turns them on)
     tokens = [[7] if item.completes_prompt else [] for item in out.scheduled]
-    assert not scheduler.update_from_output(out, tokens).failed
+    assert not commit_step(scheduler, out, tokens).failed
     return out
 
 

@@ -22,6 +22,7 @@ from pagedllm_integrations.engine.metrics import (
     SchedulerStats,
     SpecDecodingStats,
 )
+from pagedllm_integrations.engine.output_step import commit_step
 from pagedllm_integrations.engine.request import Request, RequestStatus
 from pagedllm_integrations.engine.sampler import Sampler
 from pagedllm_integrations.engine.scheduler import Scheduler
@@ -306,11 +307,11 @@ def test_drafts_use_free_room_only_and_never_preempt():
     for request in requests:
         scheduler.add_request(request)
     out = scheduler.schedule()  # both prompts: 7 tokens, 2 blocks each, all blocks used
-    scheduler.update_from_output(out, [[6], [6]])
+    commit_step(scheduler, out, [[6], [6]])
     out = scheduler.schedule()  # token 8 fits in block 2 of each; drafts would need more
     assert [item.draft_token_ids for item in out.scheduled] == [[], []]
     assert not out.preempted and len(out.scheduled) == 2
-    scheduler.update_from_output(out, [[5], [5]])
+    commit_step(scheduler, out, [[5], [5]])
     scheduler.finish_request(requests[1], RequestStatus.FINISHED_ABORTED)
     out = scheduler.schedule()  # now there is room: r_a drafts [6, 5, 6, 5]
     assert out.scheduled[0].draft_token_ids == [6, 5, 6, 5]
@@ -323,12 +324,12 @@ def test_drafts_stop_at_max_tokens_and_the_context_length():
     scheduler = Scheduler(kv, 8, 64, max_model_len=12, proposer=proposer)
     request = Request("r", [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
     scheduler.add_request(request)
-    scheduler.update_from_output(scheduler.schedule(), [[1]])
+    commit_step(scheduler, scheduler.schedule(), [[1]])
     out = scheduler.schedule()
     # 1 output of 4: the last token needs no draft, so 2 drafts (not 8).
     assert out.scheduled[0].draft_token_ids == [2, 1]
     request.sampling_params.max_tokens = 100
-    scheduler.update_from_output(out, [[2, 1, 2]])  # both drafts kept, then one more
+    commit_step(scheduler, out, [[2, 1, 2]])  # both drafts kept, then one more
     assert (request.num_tokens, request.num_computed_tokens) == (10, 9)
     out = scheduler.schedule()
     # Position 9 is computed anyway; max_model_len 12 leaves positions 10 and 11 for drafts.
