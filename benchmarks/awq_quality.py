@@ -36,6 +36,7 @@ from pagedllm_integrations.cli_quantize import (
     read_calibration_text,
 )
 from pagedllm_integrations.engine.model_loader import default_model_path, gguf_to_hf_folder
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.quant.awq_format import AWQConfig
 from pagedllm_integrations.quant.awq_linear import AWQLinear
 from pagedllm_integrations.quant.quantizer import (
@@ -72,7 +73,7 @@ def perplexity(model, ids: torch.Tensor, window: int) -> float:
 
 def engine_weight_bytes(llm: LLM) -> dict[str, int]:
     """Bytes the engine's model holds: decoder linears, and everything (embeddings, norms...)."""
-    model = llm.engine.engine.model
+    model = core_of(llm).model
     linear = 0
     for module in model.modules():
         if isinstance(module, AWQLinear):

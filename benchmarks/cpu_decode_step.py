@@ -39,9 +39,10 @@ def best_of(repeat: int, fn) -> float:
 
 
 def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dict:
+    from pagedllm_integrations.engine.white_box import core_of
     from pagedllm_integrations.kernels import reference
 
-    engine = llm.engine.engine
+    engine = core_of(llm)
     model = engine.executor.model
     stack = model.fused_stack()
     if stack is None:

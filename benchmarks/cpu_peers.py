@@ -96,6 +96,7 @@ def _prefill_entry(generate, args: argparse.Namespace, params_one) -> dict:
 
 def worker_pagedllm(args: argparse.Namespace) -> dict:
     from pagedllm_integrations import LLM, SamplingParams
+    from pagedllm_integrations.engine.white_box import core_of
 
     llm = LLM(
         args.model,
@@ -105,7 +106,7 @@ def worker_pagedllm(args: argparse.Namespace) -> dict:
     )
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in _prompts(1, 99)], params, use_tqdm=False)
-    results = {"plan": llm.engine.engine.plan.describe()}
+    results = {"plan": core_of(llm).plan.describe()}
     for npl in args.npl:
         prompts = [{"prompt_token_ids": p} for p in _prompts(npl, seed=npl)]
         started = time.perf_counter()

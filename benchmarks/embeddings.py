@@ -94,6 +94,7 @@ def worker_pagedllm(args: argparse.Namespace) -> dict:
 
     from pagedllm_integrations import LLM
     from pagedllm_integrations.engine.pooling import PoolingParams
+    from pagedllm_integrations.engine.white_box import core_of
 
     torch.set_num_threads(args.threads)
     gguf = args.model.endswith(".gguf")
@@ -107,7 +108,7 @@ def worker_pagedllm(args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - started
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
         latency = _latency(lambda: llm.embed([QUERY], use_tqdm=False))
-        plan = llm.engine.engine.plan.describe()
+        plan = core_of(llm).plan.describe()
         http = None
         if gguf:  # the same query through pagedllm's server, as llama-server is timed
             from pagedllm_integrations.server.app import create_app

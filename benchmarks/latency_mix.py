@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -172,8 +173,15 @@ class Server:
     def __init__(self, command: list[str], port: int, log: Path, env: dict | None = None):
         self.url = f"http://127.0.0.1:{port}"
         self.log = log.open("w")
+        # Outside the checkout: vLLM's transformers imports `kernels`, which the checkout's
+        # own kernels/ folder would hide (as in cpu_peers.py's workers).
         self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=tempfile.gettempdir(),
         )
         deadline = time.monotonic() + 1200
         while time.monotonic() < deadline:

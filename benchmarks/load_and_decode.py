@@ -33,12 +33,13 @@ def measure_pagedllm(model: str | None, tokens: int) -> dict:
     import torch
 
     from pagedllm_integrations import LLM, SamplingParams
+    from pagedllm_integrations.engine.white_box import core_of
 
     base = rss_mib()
     started = time.perf_counter()
     llm = LLM(model, disable_log_stats=True, max_model_len=2048, kv_cache_memory=256 << 20)
     load = time.perf_counter() - started
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.engine.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in core_of(llm).model.parameters())
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(PROMPT, params.clone(max_tokens=4), use_tqdm=False)
     out = llm.generate(PROMPT, params, use_tqdm=False)[0]
@@ -49,7 +50,7 @@ def measure_pagedllm(model: str | None, tokens: int) -> dict:
         "load_s": load,
         "rss_mib": rss_mib() - base,
         "weights_mib": weights / 2**20,
-        "kv_cache_mib": llm.engine.engine.kv_cache_bytes / 2**20,
+        "kv_cache_mib": core_of(llm).kv_cache_bytes / 2**20,
         "decode_tok_s": decode,
         "threads": torch.get_num_threads(),
     }

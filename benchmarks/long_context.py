@@ -42,6 +42,7 @@ _RESULT = "LONG_CONTEXT_RESULT "
 def worker(args: argparse.Namespace) -> dict:
     """One pagedllm run (in its own process): prefill and decode speed at args.context."""
     from pagedllm_integrations import LLM, SamplingParams
+    from pagedllm_integrations.engine.white_box import core_of
 
     kwargs: dict = {}
     if args.kv_memory_tokens:
@@ -61,7 +62,7 @@ def worker(args: argparse.Namespace) -> dict:
     params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
     [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     m = out.metrics
-    stats = llm.engine.engine.counters.snapshot()
+    stats = core_of(llm).counters.snapshot()
     result = {
         "prefill_tokens_per_s": args.context / (m.first_token_time - m.arrival_time),
         "decode_tokens_per_s": (GEN - 1) / (m.last_token_time - m.first_token_time),

@@ -155,8 +155,10 @@ class Arms:
     names = ("plain", "lookup")
 
     def __init__(self, engine):
+        from pagedllm_integrations.engine.white_box import core_of
+
         self.engine = engine
-        self._scheduler = engine.engine.scheduler
+        self._scheduler = core_of(engine).scheduler
         self._proposer = self._scheduler.proposer
         assert self._proposer is not None, "build the engine with speculative_config"
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pagedllm_integrations.engine.white_box import core_of
+
 _CORPUS = Path(__file__).resolve().parents[1] / "quant" / "data" / "calibration.txt"
 _JSON_LINES = [
     '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
@@ -246,7 +248,7 @@ def assert_engine_matches(
     settings = dict(dtype="float32", disable_log_stats=True, max_num_batched_tokens=16)
     settings.update(engine_args)
     with LLM(str(folder), **settings) as llm:
-        engine = llm.engine.engine
+        engine = core_of(llm)
         assert engine.config.enable_prefix_caching and engine.config.enable_chunked_prefill
         batched = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in batched] == expected

@@ -11,6 +11,7 @@ import pytest
 
 from pagedllm_integrations.engine.config import GiB
 from pagedllm_integrations.engine.kv_sizing import fit_cpu_context
+from pagedllm_integrations.engine.white_box import core_of
 
 BLOCK = 16
 PER_BLOCK = 16 * 114688  # Qwen3-0.6B: 112 KiB of bf16 keys and values a token
@@ -62,7 +63,7 @@ def test_engine_defaults_to_the_models_context_and_runs_a_prompt_past_8k(long_co
     from pagedllm_integrations.engine.sampling_params import SamplingParams
 
     llm = LLM(str(long_context_model), disable_log_stats=True)
-    engine = llm.engine.engine
+    engine = core_of(llm)
     assert engine.max_model_len == 32768
     assert engine.num_blocks * engine.config.block_size >= 32768
     prompt = {"prompt_token_ids": [(7 * i) % 40000 + 100 for i in range(9000)]}
@@ -76,7 +77,7 @@ def test_engine_lowers_a_default_length_to_an_explicit_budget(long_context_model
 
     with caplog.at_level(logging.WARNING):
         llm = LLM(str(long_context_model), kv_cache_memory=1 << 20, disable_log_stats=True)
-    engine = llm.engine.engine
+    engine = core_of(llm)
     assert engine.max_model_len == engine.num_blocks * engine.config.block_size < 32768
     assert "max_model_len lowered" in caplog.text and "kv_cache_memory=" in caplog.text
     with pytest.raises(ValueError, match="max_model_len 32768 needs"):

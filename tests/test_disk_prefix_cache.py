@@ -21,6 +21,7 @@ from conftest import make_tiny_llama
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.engine.config import EngineConfig
 from pagedllm_integrations.engine.private_dir import KEY_FILE
+from pagedllm_integrations.engine.white_box import core_of
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -79,7 +80,7 @@ def generate(llm: LLM, prompt: list[int], **kwargs):
 
 def chain_files(llm: LLM, prompt: list[int], num_blocks: int) -> list[Path]:
     """The files of a prompt's first blocks, in chain order (named by their hashes)."""
-    engine = llm.engine.engine
+    engine = core_of(llm)
     request = llm.engine.process_inputs({"prompt_token_ids": prompt}).children[0]
     hashes = engine.kv_manager.full_block_hashes(request, num_blocks * BLOCK)
     return [engine.disk_cache.store.path_of(h) for h in hashes]
@@ -167,7 +168,7 @@ def test_blocks_of_other_weights_or_another_kv_layout_are_never_loaded(
     make_tiny_llama(model, default_model_folder, seed=0)
     with LLM(str(model), prefix_cache_dir=str(cache), **ENGINE) as llm:
         assert llm.save_prefix({"prompt_token_ids": prompts[0]}) > 0
-        old_folder = llm.engine.engine.disk_cache.folder
+        old_folder = core_of(llm).disk_cache.folder
     # New weights at the same path (a fine-tune saved over the old one): the same chained
     # hashes, so the same file names, but another fingerprint.
     shutil.rmtree(model)
@@ -175,7 +176,7 @@ def test_blocks_of_other_weights_or_another_kv_layout_are_never_loaded(
     with LLM(str(model), **ENGINE) as reference:
         expected = generate(reference, prompts[0]).outputs[0].token_ids
     with LLM(str(model), prefix_cache_dir=str(cache), **ENGINE) as llm:
-        new_folder = llm.engine.engine.disk_cache.folder
+        new_folder = core_of(llm).disk_cache.folder
         assert new_folder != old_folder
         assert generate(llm, prompts[0]).outputs[0].token_ids == expected
         assert llm.engine.scheduler_stats().prefix_cache_disk_loaded == 0
@@ -203,7 +204,7 @@ def test_blocks_of_other_weights_or_another_kv_layout_are_never_loaded(
         caplog.at_level(logging.WARNING, logger=STORE_LOGGER),
         LLM(str(model), dtype="float32", prefix_cache_dir=str(cache), **ENGINE) as llm,
     ):
-        folder32 = llm.engine.engine.disk_cache.folder
+        folder32 = core_of(llm).disk_cache.folder
         assert folder32 not in (old_folder, new_folder)
         for path in kept.glob("*.kv"):
             shutil.copy(path, folder32 / path.name)
@@ -290,7 +291,7 @@ def test_a_forged_block_file_is_refused_and_the_answer_stays(
 def test_a_model_folder_that_is_a_link_is_refused(tiny_llama_dir, tmp_path, prompts):
     cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
     with LLM(str(tiny_llama_dir), prefix_cache_dir=str(cache), **ENGINE) as llm:
-        folder = llm.engine.engine.disk_cache.folder
+        folder = core_of(llm).disk_cache.folder
     # A link would put the files where the size limit does not count them.
     shutil.move(folder, elsewhere)
     folder.symlink_to(elsewhere, target_is_directory=True)

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from pagedllm_integrations import LLM, AsyncEngine, RequestOutputKind, SamplingParams
+from pagedllm_integrations.engine.white_box import core_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -33,7 +34,7 @@ def solo_outputs(
 
 
 def all_blocks_free(engine: AsyncEngine) -> bool:
-    return engine.num_free_blocks() == engine.engine.num_blocks
+    return engine.num_free_blocks() == core_of(engine).num_blocks
 
 
 def test_prefix_caching_on_and_off_give_identical_greedy_outputs(tiny_llama_dir):
@@ -218,7 +219,7 @@ def test_abandoned_async_stream_aborts_its_request(tiny_engine):
 
     asyncio.run(read_two())
     # The abort is processed by the engine thread; a round trip through it settles it.
-    assert tiny_engine.call(lambda: len(tiny_engine.engine.groups)) == 0
+    assert tiny_engine.call(lambda: len(core_of(tiny_engine).groups)) == 0
     assert all_blocks_free(tiny_engine)
 
 

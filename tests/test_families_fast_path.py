@@ -14,6 +14,7 @@ from gguf_export import write_gguf
 
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.engine.compute_plan import cpu_fast_path_isa
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(
@@ -52,13 +53,13 @@ def test_family_on_the_fast_path(kind, tmp_path):
     max_model_len, prompts = (32, SHORT) if kind == "phi4_mini" else (128, PROMPTS)
     settings = dict(disable_log_stats=True, max_model_len=max_model_len)
     with LLM(str(folder), **settings) as fast:
-        assert fast.engine.engine.plan.fused_cpu  # dtype "auto": the default
+        assert core_of(fast).plan.fused_cpu  # dtype "auto": the default
         batched = _tokens(fast.generate(prompts, GREEDY, use_tqdm=False))
         for prompt, want in zip(prompts, batched):
             assert _tokens(fast.generate(prompt, GREEDY, use_tqdm=False)) == [want]
         first = fast.generate(prompts, FIRST, use_tqdm=False)
     with LLM(str(folder), dtype="float32", **settings) as reference:
-        assert not reference.engine.engine.plan.fused_cpu
+        assert not core_of(reference).plan.fused_cpu
         _assert_close_to_float32(first, reference.generate(prompts, FIRST, use_tqdm=False))
 
 
@@ -79,9 +80,7 @@ def test_quantized_gguf_stays_packed_on_the_fast_path(kind, tmp_path, monkeypatc
     max_model_len, prompts = (32, SHORT) if kind == "phi4_mini" else (128, PROMPTS)
     settings = dict(disable_log_stats=True, max_model_len=max_model_len)
     with LLM(str(gguf_file), **settings) as fast:
-        linears = [
-            m for m in fast.engine.engine.model.modules() if isinstance(m, PackedStackedLinear)
-        ]
+        linears = [m for m in core_of(fast).model.modules() if isinstance(m, PackedStackedLinear)]
         assert linears and all(isinstance(w, TiledWeight) for m in linears for w in m.segments)
         first = fast.generate(prompts, FIRST, use_tqdm=False)
     with LLM(str(gguf_file), dtype="float32", **settings) as reference:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.engine.distributed.tp_layers import shard_config
 from pagedllm_integrations.engine.models.config import ModelConfig
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.quant.awq_format import AWQConfig, quantize_weight
 
 PROMPTS = [
@@ -99,7 +100,7 @@ def test_tp2_matches_one_rank(kind, tmp_path):
     with LLM(
         str(folder), tensor_parallel_size=2, max_model_len=max_model_len, **ENGINE_ARGS
     ) as llm:
-        assert llm.engine.engine.executor.kv_caches[0][0].shape[2] == 1  # 2 KV heads / 2 ranks
+        assert core_of(llm).executor.kv_caches[0][0].shape[2] == 1  # 2 KV heads / 2 ranks
         outputs = _greedy(llm, prompts)
     for tp, ref in zip(outputs, reference):
         assert tp.token_ids == ref.token_ids

@@ -9,6 +9,7 @@ import torch
 
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.engine.compute_plan import cpu_fast_path_isa
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(
@@ -31,10 +32,10 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def test_default_is_the_fast_path_and_float32_is_the_reference(default_llm, default_llm_f32):
-    plan = default_llm.engine.engine.plan
+    plan = core_of(default_llm).plan
     assert plan.fused_cpu and plan.kv_cache_dtype == torch.bfloat16
     assert "CPU fast path" in plan.describe()
-    reference = default_llm_f32.engine.engine.plan
+    reference = core_of(default_llm_f32).plan
     assert not reference.fused_cpu and reference.dtype == torch.float32
 
 
@@ -61,7 +62,7 @@ def test_gguf_weights_stay_packed(default_llm):
     from pagedllm_integrations.quant.packed import TiledWeight
     from pagedllm_integrations.quant.packed_linear import PackedStackedLinear
 
-    model = default_llm.engine.engine.model
+    model = core_of(default_llm).model
     linears = [m for m in model.modules() if isinstance(m, PackedStackedLinear)]
     assert linears and all(isinstance(w, TiledWeight) for m in linears for w in m.segments)
     assert {w.kind for m in linears for w in m.segments} == {"u4"}
@@ -113,7 +114,7 @@ def test_dense_checkpoint_runs_in_bf16_close_to_float32(tiny_llama_dir):
 
     with LLM(str(tiny_llama_dir), disable_log_stats=True) as fast:
         linear = next(
-            m for m in fast.engine.engine.model.modules() if isinstance(m, PackedStackedLinear)
+            m for m in core_of(fast).model.modules() if isinstance(m, PackedStackedLinear)
         )
         assert [w.dtype for w in linear.segments] == [torch.bfloat16]
         got = tokens(fast.generate(PROMPTS, GREEDY, use_tqdm=False))
@@ -140,12 +141,12 @@ def test_awq_checkpoint_repacks_exactly_into_the_fast_path(tiny_llama_factory, t
     first = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     with LLM(str(folder), dtype="float32", disable_log_stats=True) as reference:
         want = reference.generate(PROMPTS, first, use_tqdm=False)
-        ref_layer = reference.engine.engine.model.layers[0].self_attn.qkv_proj
+        ref_layer = core_of(reference).model.layers[0].self_attn.qkv_proj
         dense = dequantize(
             ref_layer.qweight, ref_layer.qzeros, ref_layer.scales, 64, torch.float32
         ).t()
     with LLM(str(folder), disable_log_stats=True) as fast:
-        layer = fast.engine.engine.model.layers[0].self_attn.qkv_proj
+        layer = core_of(fast).model.layers[0].self_attn.qkv_proj
         assert isinstance(layer, AWQLinear) and layer._packed is not None
         assert torch.equal(layer._packed.dequantize(), dense)  # exact repacking
         got = fast.generate(PROMPTS, first, use_tqdm=False)

@@ -13,6 +13,7 @@ import pytest
 
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.engine.compute_plan import cpu_fast_path_isa
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(
@@ -29,7 +30,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=Tru
 
 
 def outputs(llm: LLM, fused: bool) -> list[tuple[list[int], list]]:
-    model = llm.engine.engine.model
+    model = core_of(llm).model
     model.use_fused_stack = fused
     llm.engine.reset_prefix_cache()  # every token computed by the path under test
     # Different lengths at once: one step carries prompt chunks and decodes together.
@@ -38,7 +39,7 @@ def outputs(llm: LLM, fused: bool) -> list[tuple[list[int], list]]:
 
 
 def test_default_model_runs_the_fused_stack_with_the_module_paths_numbers(default_llm):
-    model = default_llm.engine.engine.model
+    model = core_of(default_llm).model
     try:
         fused = outputs(default_llm, True)
         assert model.fused_stack() is not None
@@ -52,7 +53,7 @@ def test_steps_of_every_size_share_the_step_workspace_with_the_same_numbers(defa
     stack's layer buffers (~15 MB at 512 rows) and 24 rows of logits (4.7 MB) take turns in
     the step workspace, which grows with the steps. Same numbers as the module path (whose
     logits use the workspace alone), before and after the workspace has grown."""
-    model = default_llm.engine.engine.model
+    model = core_of(default_llm).model
     prompts = [
         f"Item {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(24)
     ]
@@ -80,7 +81,7 @@ def test_dense_checkpoints_match_bit_for_bit(architecture, extra, tiny_llama_fac
     folder = tiny_llama_factory(f"stack-{architecture}", architecture=architecture, **extra)
     with LLM(str(folder), disable_log_stats=True, max_model_len=256) as llm:
         fused = outputs(llm, True)
-        assert llm.engine.engine.model.fused_stack() is not None
+        assert core_of(llm).model.fused_stack() is not None
         assert outputs(llm, False) == fused
 
 
@@ -96,7 +97,7 @@ def test_every_family_runs_the_stack_with_the_module_paths_bits(kind, tmp_path):
     prompts = PROMPTS[:2] if kind == "phi4_mini" else PROMPTS  # a 32-token context there
     max_model_len = 32 if kind == "phi4_mini" else 128
     with LLM(str(folder), disable_log_stats=True, max_model_len=max_model_len) as llm:
-        model = llm.engine.engine.model
+        model = core_of(llm).model
         assert model.fused_stack() is not None, model.stack_status()
         assert model.stack_status() == "decoder layers as one C++ stack"
 
@@ -126,8 +127,8 @@ def test_a_model_the_stack_cannot_run_says_why(caplog, monkeypatch, tmp_path):
     with caplog.at_level(logging.INFO, logger="pagedllm_integrations.engine.llm_engine"):
         llm = LLM(str(folder), disable_log_stats=True, max_model_len=128)
     with llm:
-        assert llm.engine.engine.model.fused_stack() is None
-        status = llm.engine.engine.model.stack_status()
+        assert core_of(llm).model.fused_stack() is None
+        status = core_of(llm).model.stack_status()
         assert "the C++ stack does not run moe (a mixture of experts MLP" in status
         assert status in caplog.text
         assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids

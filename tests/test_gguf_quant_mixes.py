@@ -18,6 +18,7 @@ from gguf_mixes import PRESETS
 
 from pagedllm_integrations import LLM, SamplingParams
 from pagedllm_integrations.engine.compute_plan import cpu_fast_path_isa
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(
@@ -77,7 +78,7 @@ def check_mix(folder, tmp_path, preset: str, pure: bool = False) -> dict[str, st
     path = write_gguf(folder, tmp_path / f"{preset}.gguf", mix=preset, pure=pure)
     settings = dict(disable_log_stats=True, max_model_len=128)
     with LLM(str(path), **settings) as fast:  # the defaults: the fast path
-        engine = fast.engine.engine
+        engine = core_of(fast)
         assert engine.plan.fused_cpu
         model = engine.model
         assert model.fused_stack() is not None, model.stack_status()
@@ -115,7 +116,7 @@ def test_q4_k_m_stacks_two_formats_in_one_qkv(checkpoints, tmp_path):
     assert types["blk.0.ffn_down.weight"] == "Q5_0"  # 320-value rows: the fallback of Q4_K
     path = tmp_path / "Q4_K_M.gguf"
     with LLM(str(path), disable_log_stats=True, max_model_len=64) as llm:
-        layers = llm.engine.engine.model.layers
+        layers = core_of(llm).model.layers
         assert layers[1].self_attn.qkv_proj.kernel.segment_formats() == ["u4/32", "i6/16"]
         assert layers[0].self_attn.qkv_proj.kernel.segment_formats() == ["u4/32"]
 

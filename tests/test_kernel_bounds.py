@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(not cpu_ext.load(), reason="needs the C++ CPU kernels")
@@ -93,10 +94,10 @@ def test_an_engine_fault_in_the_decoder_stack_is_an_error_and_the_engine_serves_
     no memory is written outside the cache, and the next request is served."""
     from pagedllm_integrations import SamplingParams
 
-    model = default_llm.engine.engine.model
+    model = core_of(default_llm).model
     stack = model.fused_stack()
     assert stack is not None
-    kv = [cache for pair in default_llm.engine.engine.executor.kv_caches for cache in pair]
+    kv = [cache for pair in core_of(default_llm).executor.kv_caches for cache in pair]
     hidden = model.config.hidden_size
     x = torch.randn(1, hidden)
     num_blocks = kv[0].shape[0]

@@ -18,6 +18,7 @@ from pagedllm_integrations.engine.kv_disk_tier import KVDiskFile, KVDiskPlan
 from pagedllm_integrations.engine.kv_sizing import kv_bytes_per_block
 from pagedllm_integrations.engine.llm import LLM
 from pagedllm_integrations.engine.sampling_params import SamplingParams
+from pagedllm_integrations.engine.white_box import core_of
 
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (dirty file pages written first)
 
@@ -86,7 +87,7 @@ def test_a_32k_prompt_with_kv_memory_for_8k_tokens_spills_to_disk_and_matches(
     long_context_model, tmp_path
 ):
     with LLM(str(long_context_model), disable_log_stats=True) as roomy:
-        assert roomy.engine.engine.max_model_len == 32768
+        assert core_of(roomy).max_model_len == 32768
         [full] = roomy.generate([{"prompt_token_ids": PROMPT}], GREEDY, use_tqdm=False)
         [longer] = roomy.generate(
             [{"prompt_token_ids": PROMPT[:-16] + [5] * 16}], GREEDY, use_tqdm=False
@@ -99,7 +100,7 @@ def test_a_32k_prompt_with_kv_memory_for_8k_tokens_spills_to_disk_and_matches(
         swap_dir=str(tmp_path),
         disable_log_stats=True,
     ) as tight:
-        core = tight.engine.engine
+        core = core_of(tight)
         assert core.max_model_len == 32768  # the model's own context: memory and disk hold it
         per_block = kv_bytes_per_block(core.model_config, 16, core.plan.kv_cache_dtype)
         assert core.num_blocks == memory_blocks + int(0.01 * GiB) // per_block

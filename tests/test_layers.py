@@ -109,3 +109,23 @@ def test_every_module_is_in_a_layer(tree):
             continue
         unlisted.append(".".join(parts))
     assert not unlisted, f"modules in no layer of .importlinter: {unlisted}"
+
+
+def test_tests_and_benchmarks_reach_the_engine_core_through_core_of_only():
+    """White-box code reaches past the EngineClient boundary in one documented way,
+    `engine/white_box.py`'s `core_of`, never by walking attributes (`llm.engine.engine`),
+    and no front end reaches past it at all."""
+    import re
+
+    walking = re.compile(r"\bengine\.engine\b")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("tests", "benchmarks")
+        for path in sorted((ROOT / folder).glob("*.py"))
+        if path.name != "test_layers.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if walking.search(line)
+    ]
+    assert offenders == []
+    front_ends = sorted((ROOT / "pagedllm_integrations").rglob("*.py"))
+    assert [str(p) for p in front_ends if "white_box" in p.read_text()] == []

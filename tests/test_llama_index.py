@@ -28,6 +28,7 @@ from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
 from pagedllm_integrations import SamplingParams
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.llama_index import PagedLlamaIndexLLM, to_openai_messages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -425,7 +426,7 @@ def test_abandoned_streams_abort_their_requests(llm) -> None:
     def idle() -> bool:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            if not engine.call(engine.engine.has_unfinished_requests):
+            if not engine.call(core_of(engine).has_unfinished_requests):
                 return True
             time.sleep(0.05)
         return False

@@ -13,6 +13,7 @@ import torch
 from pagedllm_integrations import LLM, EngineConfig, SamplingParams
 from pagedllm_integrations.engine.model_loader import cache_dir, resolve_model
 from pagedllm_integrations.engine.models.layers import rope_inv_freq
+from pagedllm_integrations.engine.white_box import core_of
 
 
 def test_not_a_model_folder_is_a_clear_error(tmp_path):
@@ -191,7 +192,7 @@ def test_bad_requests_are_value_errors_and_the_engine_keeps_serving(default_llm)
         default_llm.generate(["fine", ""], params)
     out = default_llm.generate("The capital of France is", params, use_tqdm=False)
     assert out[0].outputs[0].text.strip()
-    assert default_llm.engine.num_free_blocks() == default_llm.engine.engine.num_blocks
+    assert default_llm.engine.num_free_blocks() == core_of(default_llm).num_blocks
 
 
 def test_kv_budget_too_small_for_one_sequence_is_explained(tiny_llama_dir):

@@ -17,6 +17,7 @@ pytest.importorskip("llama_index.core")
 
 from pagedllm_integrations import LLM, SamplingParams, shared_engine, shutdown_shared_engines
 from pagedllm_integrations.engine.config import EngineConfig
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.langchain import PagedLLM
 from pagedllm_integrations.llama_index import PagedLlamaIndexLLM
 
@@ -25,7 +26,7 @@ ENGINE = {"num_kv_blocks": 64, "max_model_len": 256, "disable_log_stats": True}
 
 def tensor_refs(engine) -> list[weakref.ref]:
     """Weak references to a weight and to the KV cache tensors of an in-process engine."""
-    core = engine.engine
+    core = core_of(engine)
     refs = [weakref.ref(next(core.model.parameters()))]
     refs += [weakref.ref(t) for layer in core.executor.kv_caches for t in layer]
     return refs

@@ -25,6 +25,7 @@ from pagedllm_integrations.engine.structured_outputs import (
     canonical_key,
     compile_limits,
 )
+from pagedllm_integrations.engine.white_box import core_of
 
 VOCAB = 49152
 
@@ -262,7 +263,7 @@ def test_special_token_strings_in_content_stay_text(engine):
 
 # --------------------------------------------------------------------------- health
 def test_health_reports_a_hung_step_and_steps_that_all_fail(engine, monkeypatch):
-    executor = engine.engine.executor
+    executor = core_of(engine).executor
     real_execute = executor.execute
     release = threading.Event()
 

@@ -18,6 +18,7 @@ from pagedllm_integrations.chat.tool_calls import tool_call_constraint
 from pagedllm_integrations.engine.sampling_params import StructuredOutputsParams as Structured
 from pagedllm_integrations.engine.schema_support import check_enforceable
 from pagedllm_integrations.engine.structured_outputs import JSON_SEPARATORS
+from pagedllm_integrations.engine.white_box import core_of
 
 
 def grammar_accepts(schema: dict, value) -> bool:
@@ -210,7 +211,7 @@ def test_the_engine_refuses_them_at_submission(default_llm):
         params = SamplingParams(max_tokens=4, structured_outputs=Structured(json=schema))
         with pytest.raises(ValueError, match=f"'{keyword}'"):
             default_llm.engine.add_request("hello", params)
-    assert not default_llm.engine.engine.has_unfinished_requests()
+    assert not core_of(default_llm).has_unfinished_requests()
     schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7,
               "minimum": 1, "maximum": 99}}, "required": ["n"]}  # fmt: skip
     out = default_llm.generate(

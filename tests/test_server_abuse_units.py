@@ -210,7 +210,7 @@ def test_serve_defaults_are_the_documented_ones():
     parser = argparse.ArgumentParser()
     add_arguments(parser, "serve")
     args = parser.parse_args([])
-    assert (args.header_timeout, args.body_timeout, args.keep_alive_timeout) == (10, 30, 5)
+    assert (args.header_timeout, args.body_timeout, args.keep_alive_timeout) == (10, 30, 75)
     assert args.shutdown_timeout == 30 and args.allow_unknown_fields is False
     assert args.max_connections is None and args.max_connections_per_client is None
     assert args.api_key is None and args.api_key_file is None

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from pagedllm_integrations import EngineConfig, shared_engine
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.server.app import create_app
 from pagedllm_integrations.server.testing import ThreadedServer
 
@@ -235,9 +236,9 @@ def test_queue_over_limit_is_503_and_recovers(server, http, engine):
         assert_error(response, 503)
         time.sleep(0.2)
     assert response.status_code == 200
-    while engine.num_free_blocks() != engine.engine.num_blocks and time.monotonic() < deadline:
+    while engine.num_free_blocks() != core_of(engine).num_blocks and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert engine.num_free_blocks() == engine.engine.num_blocks
+    assert engine.num_free_blocks() == core_of(engine).num_blocks
 
 
 def test_client_leaving_a_plain_request_aborts_it(server, http, engine):
@@ -255,11 +256,11 @@ def test_client_leaving_a_plain_request_aborts_it(server, http, engine):
         http.post(COMPLETIONS, json=body, timeout=0.5)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (
-        app_state.in_flight or engine.num_free_blocks() != engine.engine.num_blocks
+        app_state.in_flight or engine.num_free_blocks() != core_of(engine).num_blocks
     ):
         time.sleep(0.1)
     assert app_state.in_flight == 0
-    assert engine.num_free_blocks() == engine.engine.num_blocks
+    assert engine.num_free_blocks() == core_of(engine).num_blocks
     assert aborted_count(http) == aborted_before + 1  # aborted, not run to its end
 
 

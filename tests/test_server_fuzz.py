@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedllm_integrations import EngineConfig, shared_engine
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.server.app import create_app
 from pagedllm_integrations.server.testing import ThreadedServer
 
@@ -262,4 +263,4 @@ def test_still_answers_after_fuzzing(http, engine):
     response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
     assert response.status_code == 200
     assert http.get("/health").json() == {"status": "ok"}
-    assert engine.num_free_blocks() == engine.engine.num_blocks
+    assert engine.num_free_blocks() == core_of(engine).num_blocks

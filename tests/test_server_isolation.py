@@ -25,6 +25,7 @@ from pagedllm_integrations.engine.async_engine import AsyncEngine
 from pagedllm_integrations.engine.config import EngineConfig
 from pagedllm_integrations.engine.sampling_params import StructuredOutputsParams
 from pagedllm_integrations.engine.structured_outputs import canonical_key
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.server.app import create_app
 from pagedllm_integrations.server.testing import ThreadedServer
 
@@ -393,7 +394,7 @@ def test_context_limits_auth_scheme_and_generic_500s(
 # ---------------------------------------------------------------- truthful health
 def test_health_turns_503_when_the_engine_is_wedged(server, engine, http, monkeypatch):
     state = server.app.state.server
-    executor = engine.engine.executor
+    executor = core_of(engine).executor
     real_execute = executor.execute
     release = threading.Event()
 

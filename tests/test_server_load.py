@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm_integrations import EngineConfig, shared_engine
+from pagedllm_integrations.engine.white_box import core_of
 from pagedllm_integrations.server.app import create_app
 from pagedllm_integrations.server.testing import ThreadedServer
 
@@ -133,11 +134,11 @@ def test_200_streams_50_clients_20_hang_ups(served, engine):
     # Every aborted request is released and every block comes back.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (
-        app.state.server.in_flight or engine.num_free_blocks() != engine.engine.num_blocks
+        app.state.server.in_flight or engine.num_free_blocks() != core_of(engine).num_blocks
     ):
         time.sleep(0.1)
     assert app.state.server.in_flight == 0
-    assert engine.num_free_blocks() == engine.engine.num_blocks
+    assert engine.num_free_blocks() == core_of(engine).num_blocks
 
     after = scrape(server.url)
 

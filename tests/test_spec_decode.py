@@ -17,6 +17,7 @@ import pytest
 
 from pagedllm_integrations import LLM, AsyncEngine, RequestOutputKind, SamplingParams
 from pagedllm_integrations.engine.sampling_params import StructuredOutputsParams
+from pagedllm_integrations.engine.white_box import core_of
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 SPEC_MIN1 = {**SPEC, "prompt_lookup_min": 1}
@@ -45,7 +46,7 @@ def outputs_of(outputs) -> list[tuple[list[int], list]]:
 
 
 def all_blocks_free(llm: LLM) -> bool:
-    return llm.engine.num_free_blocks() == llm.engine.engine.num_blocks
+    return llm.engine.num_free_blocks() == core_of(llm).num_blocks
 
 
 def spec_counts(llm: LLM) -> tuple[int, int]:
@@ -122,7 +123,7 @@ def test_stop_strings_n_and_streaming_agree_with_no_speculation(repeating_model)
             streamed = asyncio.run(stream_text(engine, PROMPTS[0]))
             engines[spec is None] = ([c.text for c in final.outputs], streamed)
             assert [c.finish_reason for c in final.outputs] == ["stop", "stop"]
-            assert engine.num_free_blocks() == engine.engine.num_blocks
+            assert engine.num_free_blocks() == core_of(engine).num_blocks
         finally:
             engine.shutdown()
     assert engines[True] == engines[False]

@@ -12,6 +12,7 @@ import torch
 
 from pagedllm_integrations import SamplingParams
 from pagedllm_integrations.engine.sampling_params import StructuredOutputsParams as Structured
+from pagedllm_integrations.engine.white_box import core_of
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}
 SCHEMAS: list[dict] = [
@@ -383,7 +384,7 @@ def test_bad_constraint_is_a_value_error_at_submission(default_llm, spec):
     with pytest.raises(ValueError):  # SamplingParams, or add_request on the caller's thread
         params = SamplingParams(max_tokens=4, structured_outputs=Structured(**spec))
         default_llm.engine.add_request("hello", params)
-    assert not default_llm.engine.engine.has_unfinished_requests()
+    assert not core_of(default_llm).has_unfinished_requests()
 
 
 def test_grammar_and_lark(default_llm):

@@ -18,6 +18,7 @@ pytest.importorskip("llama_index.core")
 
 from pagedllm_integrations import peer_settings
 from pagedllm_integrations.engine.model_loader import default_model_path
+from pagedllm_integrations.engine.white_box import core_of
 
 DEFAULT = str(default_model_path())  # the embedded SmolLM2 GGUF, given as a model file
 KV = {"kv_cache_memory": 160 << 20}
@@ -63,7 +64,7 @@ def test_chat_llama_cpp_as_documented(caplog, monkeypatch):
                             ("human", "I love programming.")], max_tokens=16)  # fmt: skip
         assert reply.content and reply.usage_metadata["output_tokens"] <= 16
         # n_threads is the engine thread's kernel pool (the CPU fast path, where it runs).
-        if llm.engine.engine.plan.fused_cpu:
+        if core_of(llm).plan.fused_cpu:
             assert llm.engine.call(torch.ops.pagedllm.pool_threads) == config.num_threads
     finally:
         llm.close()

@@ -23,6 +23,7 @@ from pagedllm_integrations.engine.config import EngineConfig
 from pagedllm_integrations.engine.distributed.tp_layers import shard_config
 from pagedllm_integrations.engine.model_loader import read_config
 from pagedllm_integrations.engine.models.llama import LlamaConfig
+from pagedllm_integrations.engine.white_box import core_of
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
 ENGINE_ARGS = dict(disable_log_stats=True, num_kv_blocks=96, max_model_len=512, dtype="float32")
@@ -90,7 +91,7 @@ def test_tp2_tiny_gqa_with_biases_matches_one_rank(tiny_llama_factory):
     with LLM(str(folder), **ENGINE_ARGS) as llm:
         reference = _greedy(llm)
     with LLM(str(folder), tensor_parallel_size=2, **ENGINE_ARGS) as llm:
-        runner = llm.engine.engine.executor
+        runner = core_of(llm).executor
         assert len(runner.worker_pids) == 1
         # Each rank's cache holds only its heads: [blocks, block_size, Hkv/2, D].
         assert runner.kv_caches[0][0].shape == (96, 16, 1, 16)
@@ -107,7 +108,7 @@ def test_tp3_default_model_matches_one_rank(default_llm_f32):
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
     reference = [o.outputs[0] for o in default_llm_f32.generate(PROMPTS, params, use_tqdm=False)]
     with LLM(tensor_parallel_size=3, **ENGINE_ARGS) as llm:
-        assert llm.engine.engine.executor.kv_caches[0][0].shape[2] == 1  # 3 KV heads / 3 ranks
+        assert core_of(llm).executor.kv_caches[0][0].shape[2] == 1  # 3 KV heads / 3 ranks
         outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     _assert_same(outputs, reference, atol=2e-4)
 
@@ -136,7 +137,7 @@ def test_killed_rank_fails_requests_and_stops_the_other_ranks(tiny_llama_factory
     folder = tiny_llama_factory("tp-crash", hidden_size=96, num_heads=6, num_kv_heads=3)
     engine = AsyncEngine(EngineConfig(model=str(folder), tensor_parallel_size=3, **ENGINE_ARGS))
     try:
-        runner = engine.engine.executor
+        runner = core_of(engine).executor
         pids = runner.worker_pids
         assert len(pids) == 2
         stream = engine.add_request(
@@ -166,9 +167,10 @@ def test_ranks_exit_when_the_driver_is_killed(tiny_llama_dir, tmp_path):
             f"""
             import sys, time
             from pagedllm_integrations import LLM
+            from pagedllm_integrations.engine.white_box import core_of
             if __name__ == "__main__":
                 llm = LLM({str(tiny_llama_dir)!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
-                print(*llm.engine.engine.executor.worker_pids, flush=True)
+                print(*core_of(llm).executor.worker_pids, flush=True)
                 time.sleep(120)
             """
         )
@@ -199,10 +201,11 @@ def test_a_driver_that_exits_without_shutdown_stops_its_ranks_quietly(tiny_llama
             f"""
             import logging
             from pagedllm_integrations import LLM
+            from pagedllm_integrations.engine.white_box import core_of
             if __name__ == "__main__":
                 logging.basicConfig(level=logging.WARNING)
                 llm = LLM({str(tiny_llama_dir)!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
-                print(*llm.engine.engine.executor.worker_pids, flush=True)
+                print(*core_of(llm).executor.worker_pids, flush=True)
             """
         )
     )

@@ -25,6 +25,7 @@ from pagedllm_integrations.chat.tool_calls import (
     tool_call_constraint,
 )
 from pagedllm_integrations.chat.tool_formats import model_tool_format
+from pagedllm_integrations.engine.white_box import core_of
 
 QWEN3_TEMPLATE = (
     r"{%- if tools %}"
@@ -163,7 +164,7 @@ def family_llm(request, tmp_path_factory):
 
 
 def _forced(llm, messages, tool_choice, max_tokens=120, **constraint_args):
-    engine = llm.engine.engine
+    engine = core_of(llm)
     fmt = model_tool_format(llm.engine)
     prompt = render_chat_prompt(engine.tokenizer, messages, TOOLS, tool_choice, tool_format=fmt)
     constraint = tool_call_constraint(TOOLS, tool_choice, tool_format=fmt, **constraint_args)
@@ -223,7 +224,7 @@ def test_parallel_forced_calls(family_llm):
 
 def test_earlier_calls_and_results_render_and_round_trip(family_llm):
     kind, llm = family_llm
-    engine = llm.engine.engine
+    engine = core_of(llm)
     prompt = render_chat_prompt(
         engine.tokenizer, HISTORY, TOOLS, tool_format=model_tool_format(llm.engine)
     )
@@ -295,7 +296,7 @@ def test_langchain_bind_tools_speaks_the_model_format(family_llm):
 
     _, llm = family_llm
     chat = ChatPagedLLM(
-        model=str(llm.engine.engine.model_folder),
+        model=str(core_of(llm).model_folder),
         temperature=0,
         max_tokens=120,
         dtype="float32",
