@@ -244,6 +244,8 @@ class LLMEngine:
         config = self.config
         if self.device.type != "cpu" or not self.model_config.causal or config.num_kv_blocks:
             return ContextFit(self.max_model_len, 0)
+        if bytes_per_block <= 0:  # more tensor-parallel ranks than KV heads: refused with
+            return ContextFit(self.max_model_len, 0)  # its own message when ranks are built
         fit = fit_cpu_context(
             self.max_model_len,
             config.max_model_len is None,

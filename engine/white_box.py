@@ -16,14 +16,12 @@ from .llm_engine import LLMEngine
 
 
 def core_of(front: Any) -> LLMEngine:
-    """The LLMEngine behind an offline `LLM`, an `AsyncEngine`, or an LLMEngine itself."""
-    from .async_engine import AsyncEngine
-    from .llm import LLM
-
-    if isinstance(front, LLMEngine):
-        return front
-    if isinstance(front, LLM):
-        front = front.engine
-    if isinstance(front, AsyncEngine):
-        return front.engine
-    raise TypeError(f"no in-process engine core behind {type(front).__name__}")
+    """The LLMEngine behind a front end that holds its engine client as `.engine` (the
+    offline `LLM`, the LangChain and LlamaIndex wrappers), an `AsyncEngine`, or an
+    LLMEngine itself. TypeError where there is none in this process (a Ray replica)."""
+    what = type(front).__name__
+    for _ in range(3):  # front end -> AsyncEngine -> LLMEngine
+        if isinstance(front, LLMEngine):
+            return front
+        front = getattr(front, "engine", None)
+    raise TypeError(f"no in-process engine core behind {what}")
