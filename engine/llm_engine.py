@@ -274,9 +274,13 @@ class LLMEngine:
                     "'awq' in config.json); make one with `pagedllm quantize`"
                 )
             if self.plan.fused_cpu:
-                from ..quant.packed_linear import packed_linear
+                from ..quant.packed_linear import amx_bf16_available, encoder_linear, packed_linear
 
-                return packed_linear
+                if self.model_config.causal:
+                    return packed_linear
+                if amx_bf16_available():
+                    logger.info("encoder linears: dense weights on AMX-BF16 tiles")
+                return encoder_linear
             return dense_linear
         if method == "awq":
             from ..quant.awq_linear import awq_linear_factory

@@ -34,9 +34,11 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "ops.cpp",
     "linear_bf16.cpp",
+    "linear_amx_bf16.cpp",
     "linear_packed.cpp",
     "linear.cpp",
     "attention.cpp",
+    "encoder.cpp",
     "decoder.cpp",
     "thread_pool.cpp",
     "amx.cpp",
@@ -87,6 +89,7 @@ _KERNEL_FEATURES = (
     frozenset({"avx512_vnni"}),
     frozenset({"avx512_bf16"}),
     frozenset({"amx_tile", "amx_int8"}),
+    frozenset({"amx_bf16"}),
 )
 
 

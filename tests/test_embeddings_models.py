@@ -75,6 +75,16 @@ def test_minilm_folder_matches_sentence_transformers(
     assert min_cosine(got, reference) >= floor
 
 
+def test_minilm_fast_path_vector_does_not_depend_on_its_batch(minilm_folder):
+    """The default path (AMX-BF16 linears where the CPU has them, else vdpbf16ps; the C++
+    attention and norms): a text's vector is the same bits alone as in a batch of others."""
+    texts = held_out_texts(9, seed=11, max_words=120)
+    with LLM(str(minilm_folder), **ENGINE) as llm:
+        together = embed(llm, texts, truncate=True)
+        alone = torch.cat([embed(llm, [text], truncate=True) for text in texts])
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, floor", [("float32", 0.9999), ("auto", 0.999)])
 def test_minilm_1000_texts(minilm_folder, sentence_transformer, dtype, floor):

@@ -8,8 +8,11 @@ KV cache, no LM head; the forward pass gives the hidden states an embedding is p
 Each sequence attends to all of its own tokens (no causal mask) and none of the others':
 the scheduler runs an encoder's prompt whole in one step (engine/scheduler.py), so the
 rows of sequence i in the flat batch are all of it (meta.cu_seqlens_q). The linears come
-from the engine's LinearFactory (on the CPU fast path: bf16 weights, or int8 GGUF blocks,
-multiplied by the C++ kernels); the rest is torch in float32.
+from the engine's LinearFactory (on the CPU fast path, quant/packed_linear.encoder_linear:
+bf16 weights on AMX-BF16 tiles where the CPU has them, else the vdpbf16ps kernels, or int8
+GGUF blocks); on the fast path attention and the residual LayerNorms are C++ ops too
+(kernels/csrc/encoder.cpp), and the embeddings' sum and the activation torch, in float32.
+Off it (dtype="float32"), everything is torch: the reference the parity tests pin.
 
 Checkpoints: Hugging Face `BertModel` names, with or without the `bert.` prefix of the
 task heads' checkpoints (whose `cls.*` / `pooler.*` tensors are not used).
@@ -65,7 +68,17 @@ def parse_bert_config(cfg: dict[str, Any]) -> ModelConfig:
 
 
 class BertLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, make_linear: LinearFactory, dtype, device):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        make_linear: LinearFactory,
+        dtype,
+        device,
+        fused_kernels: bool = False,
+    ):
+        """fused_kernels: attention and the residual norms run as C++ ops
+        (kernels/csrc/encoder.cpp; the CPU fast path), else torch (the reference)."""
         super().__init__()
         hidden, self.heads = cfg.hidden_size, cfg.num_heads
         self.head_dim = cfg.head_dim
@@ -90,32 +103,40 @@ class BertLayer(nn.Module):
         self.attn_norm = nn.LayerNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.out_norm = nn.LayerNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.fused_kernels = fused_kernels
 
-    def forward(self, x: torch.Tensor, bounds: list[int], split: SplitWork) -> torch.Tensor:
-        """x [T, hidden]; bounds: sequence i is rows bounds[i]:bounds[i + 1]."""
+    def forward(
+        self, x: torch.Tensor, bounds: list[int], cu_seqlens: torch.Tensor, split: SplitWork
+    ) -> torch.Tensor:
+        """x [T, hidden]; sequence i is rows bounds[i]:bounds[i + 1] (cu_seqlens: the same,
+        int64 [B + 1], for the C++ attention)."""
         rows = x.shape[0]
         qkv = self.qkv(x).view(rows, 3, self.heads, self.head_dim)
-        out = torch.empty(rows, self.heads, self.head_dim, dtype=x.dtype, device=x.device)
+        if self.fused_kernels:  # the C++ op: one call for every sequence and head
+            out = torch.ops.pagedllm.encoder_attention(qkv, cu_seqlens, self.scale)
+        else:
+            out = torch.empty(rows, self.heads, self.head_dim, dtype=x.dtype, device=x.device)
 
-        def attend(group: list[tuple[int, int]]) -> None:
-            for start, end in group:
-                # Two batched matmuls and a softmax over [heads, L, L] (L <= 512): on one
-                # thread 2x faster than torch's flash kernel at 256 tokens and 9x at 10.
-                q, k, v = qkv[start:end].permute(1, 2, 0, 3)  # each [heads, L, head_dim]
-                scores = torch.bmm(q * self.scale, k.transpose(1, 2)).softmax(dim=-1)
-                out[start:end] = torch.bmm(scores, v).transpose(0, 1)
+            def attend(group: list[tuple[int, int]]) -> None:
+                for start, end in group:
+                    # Two batched matmuls and a softmax over [heads, L, L] (L <= 512): on one
+                    # thread 2x faster than torch's flash kernel at 256 tokens and 9x at 10.
+                    q, k, v = qkv[start:end].permute(1, 2, 0, 3)  # each [heads, L, head_dim]
+                    scores = torch.bmm(q * self.scale, k.transpose(1, 2)).softmax(dim=-1)
+                    out[start:end] = torch.bmm(scores, v).transpose(0, 1)
 
-        split.run(attend, split.sequences(bounds))
+            split.run(attend, split.sequences(bounds))
         x = self._add_norm(x, self.attn_out(out.view(rows, -1)), self.attn_norm, split)
         hidden = self.up(x)
         split.run(lambda r: self.act(hidden[r[0] : r[1]]), split.rows(rows))
         return self._add_norm(x, self.down(hidden), self.out_norm, split)
 
-    @staticmethod
     def _add_norm(
-        x: torch.Tensor, y: torch.Tensor, norm: nn.LayerNorm, split: SplitWork
+        self, x: torch.Tensor, y: torch.Tensor, norm: nn.LayerNorm, split: SplitWork
     ) -> torch.Tensor:
-        """norm(x + y), rows split over the threads (y is overwritten)."""
+        """norm(x + y), rows split over the threads (y may be overwritten)."""
+        if self.fused_kernels:
+            return torch.ops.pagedllm.add_layer_norm(x, y, norm.weight, norm.bias, norm.eps)
         out = torch.empty_like(x)
 
         def piece(r: tuple[int, int]) -> None:
@@ -170,7 +191,7 @@ class BertEncoder(nn.Module):
             return module
 
         self.layers = nn.ModuleList(
-            BertLayer(cfg, f"encoder.layer.{i}", recording_factory, dtype, device)
+            BertLayer(cfg, f"encoder.layer.{i}", recording_factory, dtype, device, self.fused_cpu)
             for i in range(cfg.num_layers)
         )
         for param in self.parameters():
@@ -190,10 +211,11 @@ class BertEncoder(nn.Module):
             + self.token_type_embeddings[0]
         )
         x = self.embed_norm(x)
-        bounds = meta.cu_seqlens_q.tolist()
+        cu_seqlens = meta.cu_seqlens_q.to(torch.int64).contiguous()
+        bounds = cu_seqlens.tolist()
         split = self._split_work()
         for layer in self.layers:
-            x = layer(x, bounds, split)
+            x = layer(x, bounds, cu_seqlens, split)
         return x
 
     def _split_work(self) -> SplitWork:

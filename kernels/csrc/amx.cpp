@@ -60,6 +60,18 @@ bool set_enabled(bool on) {
   return enabled();
 }
 
+bool bf16_enabled() {
+#ifdef PAGEDLLM_AMX_BF16
+  static const bool cpu_has_it = [] {
+    unsigned eax, ebx, ecx, edx;
+    return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && ((edx >> 22) & 1);
+  }();
+  return cpu_has_it && enabled();
+#else
+  return false;
+#endif
+}
+
 #ifdef PAGEDLLM_AMX
 namespace {
 struct alignas(64) TileConfig {
@@ -69,7 +81,21 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16];  // bytes per row of each tile
   uint8_t rows[16];
 };
+
+void load_config(const TileConfig& config) {
+  // GCC 12's _tile_loadconfig tells the compiler it reads fewer bytes than the 64 it does,
+  // so the row and column settings were dropped as dead stores: make them visible first.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
 }  // namespace
+
+void configure_thread_square() {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  load_config(config);
+}
 
 void configure_thread(int group) {
   TileConfig config{};
@@ -77,10 +103,7 @@ void configure_thread(int group) {
   for (int t = 0; t < 2; ++t) config.rows[t] = 16, config.colsb[t] = 64;   // C: 16 x int32[16]
   for (int t = 4; t < 6; ++t) config.rows[t] = 16, config.colsb[t] = group;  // A: 16 x int8[G]
   for (int t = 6; t < 8; ++t) config.rows[t] = group / 4, config.colsb[t] = 64;  // B
-  // GCC 12's _tile_loadconfig tells the compiler it reads fewer bytes than the 64 it does,
-  // so the row and column settings were dropped as dead stores: make them visible first.
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  load_config(config);
 }
 #endif
 

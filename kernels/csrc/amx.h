@@ -20,6 +20,9 @@
     defined(__AVX512BW__)
 #define PAGEDLLM_AMX 1
 #include <immintrin.h>
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGEDLLM_AMX_BF16 1  // TDPBF16PS: linear_amx_bf16.cpp
+#endif
 #endif
 
 namespace pagedllm {
@@ -33,6 +36,9 @@ bool enabled();
 // Switch AMX on (when available) or off for this process; returns enabled().
 bool set_enabled(bool on);
 
+// enabled(), and the CPU has AMX-BF16 (TDPBF16PS) and the build compiled it in.
+bool bf16_enabled();
+
 #ifdef PAGEDLLM_AMX
 // The tiles of the packed kernels, for weight groups of `group` (16 or 32) values of K
 // (tile numbers are instruction immediates):
@@ -42,6 +48,12 @@ bool set_enabled(bool on);
 // Loads that configuration on the calling thread (cheap; once per parallel chunk).
 void configure_thread(int group);
 inline void release_thread() { _tile_release(); }
+
+// Every tile 16 rows x 64 bytes (the bf16 kernel's 2 x 2 blocking, linear_amx_bf16.cpp):
+//   0-3  accumulators C: float32 [16 rows of x, 16 outputs]
+//   4-5  activations A: 16 rows of x, 32 bf16 values of K
+//   6-7  weights B: 16 pairs of K x 16 outputs x 2 (VNNI order)
+void configure_thread_square();
 
 // Tile loads and stores that name the memory they touch: GCC's _tile_loadd does not say
 // that it reads memory, and _tile_stored clobbers all of it, which keeps every accumulator

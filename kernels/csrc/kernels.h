@@ -26,8 +26,21 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
                            Tensor& out, const Tensor& seq_ids, const Tensor& cu_seqlens_q,
                            const Tensor& seq_lens, const Tensor& block_tables, double scale,
                            int64_t window, double soft_cap);
+// encoder.cpp: bidirectional attention within each sequence of a step.
+// qkv float32 [T, 3, H, D], cu_seqlens int64 [B + 1] -> out float32 [T, H, D]
+Tensor encoder_attention(const Tensor& qkv, const Tensor& cu_seqlens, double scale);
+// x, y float32 [T, H]; weight, bias float32 [H] -> LayerNorm(y + x) float32 [T, H]
+Tensor add_layer_norm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
+                      double eps);
 // linear_bf16.cpp, linear_packed.cpp
 Tensor bf16_linear(const Tensor& x, const Tensor& weight, Tensor* out = nullptr);
+// linear_amx_bf16.cpp: weight bf16 [N, K] -> B tiles [T, K/32, 16, 32]; x [M, K] float32 ->
+// [M, N] float32 by TDPBF16PS (its own bits: encoders only). Needs amx_bf16_available().
+bool amx_bf16_available();
+Tensor amx_bf16_pack(const Tensor& weight);
+// bias: float32 [N] added to each row (null or empty: none).
+Tensor amx_bf16_linear(const Tensor& x, const Tensor& packed, int64_t n,
+                       const Tensor* bias = nullptr, Tensor* out = nullptr);
 Tensor u4_tiled_linear(const Tensor& x, const Tensor& tiles, const Tensor& scales,
                        const Tensor& mins, int64_t n, Tensor* out = nullptr);
 // The signed-byte formats: tiles from tile_i8 ([T, K/4, 64]) or tile_i6 ([T, K/16, 192]).

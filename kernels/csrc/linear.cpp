@@ -22,6 +22,13 @@ void Linear::add_bf16(Tensor weight) {
   out_features_ += rows;
 }
 
+void Linear::add_bf16_amx(Tensor weight) {
+  add_bf16(weight);  // the same checks
+  WeightSegment& s = segments_.back();
+  s.kind = WeightKind::kAmxBf16;
+  s.weight = api::amx_bf16_pack(weight);
+}
+
 void Linear::add_tiled(bool u4, int64_t group, int64_t rows, Tensor tiles, Tensor scales,
                        Tensor mins) {
   TORCH_CHECK(rows > 0, "Linear: a segment needs rows, got ", rows);
@@ -42,6 +49,7 @@ std::vector<std::string> Linear::segment_formats() const {
   std::vector<std::string> formats;
   for (const WeightSegment& s : segments_) {
     if (s.kind == WeightKind::kBf16) formats.push_back("bf16");
+    else if (s.kind == WeightKind::kAmxBf16) formats.push_back("bf16-amx");
     else if (s.kind == WeightKind::kU4) formats.push_back("u4/" + std::to_string(s.group));
     else  // i8 and i6 tiles run as one kind, told apart by their shape ([T, K/16, 192]: i6)
       formats.push_back((s.weight.size(-1) == 192 ? "i6/" : "i8/") + std::to_string(s.group));
@@ -53,6 +61,7 @@ std::vector<std::string> Linear::segment_formats() const {
 Tensor segment_forward(const WeightSegment& s, const Tensor& x, Tensor* out) {
   switch (s.kind) {
     case WeightKind::kBf16: return api::bf16_linear(x, s.weight, out);
+    case WeightKind::kAmxBf16: return api::amx_bf16_linear(x, s.weight, s.rows, nullptr, out);
     case WeightKind::kU4: return api::u4_tiled_linear(x, s.weight, s.scales, s.mins, s.rows, out);
     case WeightKind::kI8:
       return api::i8_tiled_linear(x, s.weight, s.scales, s.mins, s.group, s.rows, out);
@@ -67,6 +76,8 @@ Tensor Linear::forward(const Tensor& x_in, Tensor* out_buffer) const {
   TORCH_CHECK(bias_.numel() == 0 || bias_.numel() == out_features_,
               "Linear: bias of ", bias_.numel(), " for ", out_features_, " outputs");
   Tensor y;
+  if (segments_.size() == 1 && segments_[0].kind == WeightKind::kAmxBf16)  // adds the bias
+    return api::amx_bf16_linear(x_in, segments_[0].weight, segments_[0].rows, &bias_, out_buffer);
   if (segments_.size() == 1) {
     y = segment_forward(segments_[0], x_in, out_buffer);
   } else {
@@ -76,13 +87,13 @@ Tensor Linear::forward(const Tensor& x_in, Tensor* out_buffer) const {
     y = float_output(out_buffer, m, out_features_, x.options());
     std::vector<api::TiledPart> parts;
     for (const WeightSegment& s : segments_)
-      if (s.kind != WeightKind::kBf16)
+      if (s.kind == WeightKind::kU4 || s.kind == WeightKind::kI8)
         parts.push_back({&s.weight, &s.scales, &s.mins, s.group, s.rows, s.first,
                          s.kind == WeightKind::kU4});
     api::tiled_linear_parts(x, parts, y.data_ptr<float>(), out_features_);
     for (const WeightSegment& s : segments_)
-      if (s.kind == WeightKind::kBf16)
-        y.narrow(1, s.first, s.rows).copy_(api::bf16_linear(x, s.weight));
+      if (s.kind == WeightKind::kBf16 || s.kind == WeightKind::kAmxBf16)
+        y.narrow(1, s.first, s.rows).copy_(segment_forward(s, x, nullptr));
   }
   if (bias_.numel() > 0) y.add_(bias_);  // the bias, added as `out + bias` adds it
   return y;
@@ -91,7 +102,7 @@ Tensor Linear::forward(const Tensor& x_in, Tensor* out_buffer) const {
 bool Linear::fuses_gated() const {
   if (segments_.size() != 1 || bias_.numel() > 0) return false;
   const WeightSegment& s = segments_[0];
-  return s.kind != WeightKind::kBf16 && s.rows % 32 == 0;
+  return (s.kind == WeightKind::kU4 || s.kind == WeightKind::kI8) && s.rows % 32 == 0;
 }
 
 Tensor Linear::gated(const Tensor& x, bool gelu, Tensor* gate_up, Tensor* out) const {
@@ -115,6 +126,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.class_<pagedllm::Linear>("Linear")
       .def(torch::init<int64_t>())
       .def("add_bf16", &pagedllm::Linear::add_bf16)
+      .def("add_bf16_amx", &pagedllm::Linear::add_bf16_amx)
       .def("add_tiled", &pagedllm::Linear::add_tiled)
       .def("set_bias", &pagedllm::Linear::set_bias)
       .def("in_features", &pagedllm::Linear::in_features)

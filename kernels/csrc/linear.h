@@ -10,6 +10,7 @@
 //
 //   segment kinds            tensors
 //   bf16                     weight bf16 [rows, K]
+//   bf16 on AMX tiles        packed bf16 [T, K/32, 16, 32] (linear_amx_bf16.cpp; encoders)
 //   u4 (groups of 32)        tiles uint8 [T, K/32, 4, 64], scales, mins [T, K/32, 16]
 //   i8 (groups of 16, 32)    tiles uint8 [T, K/4, 64], scales, mins (or empty) [T, K/G, 16]
 //   i6 (groups of 16, 32)    tiles uint8 [T, K/16, 192], scales, mins as i8's
@@ -26,7 +27,7 @@
 
 namespace pagedllm {
 
-enum class WeightKind : int64_t { kBf16 = 0, kU4 = 1, kI8 = 2 };
+enum class WeightKind : int64_t { kBf16 = 0, kU4 = 1, kI8 = 2, kAmxBf16 = 3 };
 
 struct WeightSegment {
   WeightKind kind;
@@ -43,13 +44,16 @@ class Linear : public torch::CustomClassHolder {
 
   // Segments are appended in output-row order.
   void add_bf16(Tensor weight);
+  // The same weight packed for TDPBF16PS (its own bits, not add_bf16's: see
+  // linear_amx_bf16.cpp); refused where the CPU has no AMX-BF16.
+  void add_bf16_amx(Tensor weight);
   void add_tiled(bool u4, int64_t group, int64_t rows, Tensor tiles, Tensor scales, Tensor mins);
   void set_bias(Tensor bias);
 
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
   int64_t num_segments() const { return static_cast<int64_t>(segments_.size()); }
-  // "bf16", "u4/32", "i8/32", "i6/16" ... per segment, for logs and tests.
+  // "bf16", "bf16-amx", "u4/32", "i8/32", "i6/16" ... per segment, for logs and tests.
   std::vector<std::string> segment_formats() const;
 
   // x [M, K] -> [M, N] float32, into `out` (contiguous float32 [M, N]) when given.
