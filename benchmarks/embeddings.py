@@ -17,7 +17,9 @@ least disturbed one):
   the model loaded) to its exit; pagedllm runs the same GGUF file (512-token limit, no
   truncation): the same tokens again.
 - one short query's latency: the median of 20 single-query calls, in process against
-  sentence-transformers; over HTTP (/v1/embeddings on the GGUF) against llama-server.
+  sentence-transformers; over HTTP (/v1/embeddings on the GGUF) against llama-server: the
+  median of 100 queries to each, both servers up at once (`pagedllm serve --num-threads N`,
+  `llama-server -t N`, processes of their own) and asked in turn, 20 queries at a time.
 - --mixed: 16 chat streams on the embedded SmolLM2 alone, then the same while 500 passages
   are embedded by an embedding engine in the same process: the streams' tokens/s ratio.
 
@@ -109,18 +111,10 @@ def worker_pagedllm(args: argparse.Namespace) -> dict:
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
         latency = _latency(lambda: llm.embed([QUERY], use_tqdm=False))
         plan = core_of(llm).plan.describe()
-        http = None
-        if gguf:  # the same query through pagedllm's server, as llama-server is timed
-            from pagedllm_integrations.server.app import create_app
-            from pagedllm_integrations.server.testing import ThreadedServer
-
-            with ThreadedServer(create_app(llm.engine)) as server:
-                http = http_query_ms(server.url + "/v1/embeddings")
     return {
         "docs_per_s": len(texts) / elapsed,
         "tokens_per_s": tokens / elapsed,
         "query_ms": latency,
-        "http_query_ms": http,
         "plan": plan,
     }
 
@@ -231,42 +225,80 @@ def llama_embedding(binaries: Path, gguf: Path, texts: list[str], threads: int) 
     return wall - (minutes * 60 + seconds + millis / 1000)
 
 
-def http_query_ms(url: str) -> float:
-    """Median latency of one short query to an OpenAI-style /v1/embeddings."""
+def http_query_ms(
+    servers: dict[str, list[str]], port: int, rounds: int = 100, block: int = 20
+) -> dict[str, float]:
+    """Median latency of one short query to each server's /v1/embeddings (OpenAI's schema),
+    every server a process of its own, all up at once and asked in turn, `block` queries
+    at a time (a server's threads may spin for a while after its last query: one query
+    each in turn timed each against the other's spinning), so that a disturbance of the
+    machine falls on all of them alike."""
     import httpx
 
-    with httpx.Client(timeout=60) as client:
-        return _latency(lambda: client.post(url, json={"input": QUERY}).raise_for_status())
-
-
-def llama_server_query_ms(binaries: Path, gguf: Path, threads: int) -> float:
-    import httpx
-
-    port = 18000 + os.getpid() % 1000
-    server = subprocess.Popen(
-        [str(binaries / "llama-server"), "-m", str(gguf), "--embedding", "--pooling", "mean",
-         "-t", str(threads), "-c", "512", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    processes, urls = {}, {}
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        return http_query_ms(f"http://127.0.0.1:{port}/v1/embeddings")
+        for offset, (name, command) in enumerate(servers.items()):
+            at = port + offset
+            processes[name] = subprocess.Popen(
+                [part.replace("{port}", str(at)) for part in command],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            urls[name] = f"http://127.0.0.1:{at}"
+        for name, url in urls.items():
+            _wait_healthy(processes[name], url)
+        times: dict[str, list[float]] = {name: [] for name in urls}
+        with httpx.Client(timeout=60) as client:
+            for _ in range(rounds // block):
+                for name, url in urls.items():
+                    for turn in range(block + 2):  # 2 warm-up queries a block
+                        started = time.perf_counter()
+                        client.post(
+                            url + "/v1/embeddings", json={"input": QUERY}
+                        ).raise_for_status()
+                        if turn >= 2:
+                            times[name].append(time.perf_counter() - started)
+        return {name: statistics.median(t) * 1000 for name, t in times.items()}
     finally:
-        server.terminate()
-        server.wait()
+        for process in processes.values():
+            process.terminate()
+            process.wait()
+
+
+def _wait_healthy(process: subprocess.Popen, url: str) -> None:
+    import httpx
+
+    for _ in range(1200):
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited ({process.returncode}) before serving")
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{process.args[0]} did not answer {url}/health in 120 s")
+
+
+def server_commands(binaries: Path | None, gguf: Path, threads: int) -> dict[str, list[str]]:
+    """`pagedllm serve` and llama-server (when built) on the same GGUF and threads."""
+    commands = {
+        "pagedllm": [sys.executable, "-P", "-m", "pagedllm_integrations.cli", "serve",
+                     "--model", str(gguf), "--max-model-len", "512",
+                     "--num-threads", str(threads), "--port", "{port}"],
+    }  # fmt: skip
+    if binaries is not None:
+        commands["llama.cpp"] = [
+            str(binaries / "llama-server"), "-m", str(gguf), "--embedding", "--pooling", "mean",
+            "-t", str(threads), "-c", "512", "--port", "{port}",
+        ]  # fmt: skip
+    return commands
 
 
 def worker_llama(args: argparse.Namespace, binaries: Path, gguf: Path) -> dict:
     texts = passages(args.passages)
     seconds = llama_embedding(binaries, gguf, texts, args.threads)
-    query = llama_server_query_ms(binaries, gguf, args.threads)
-    return {"docs_per_s": len(texts) / seconds, "query_ms": None, "http_query_ms": query}
+    return {"docs_per_s": len(texts) / seconds, "query_ms": None}
 
 
 def _tool(name: str) -> str:
@@ -277,9 +309,8 @@ def _tool(name: str) -> str:
 
 def _best(runs: list[dict]) -> dict:
     best = dict(max(runs, key=lambda r: r["docs_per_s"]))
-    for key in ("query_ms", "http_query_ms"):
-        values = [r[key] for r in runs if r.get(key) is not None]
-        best[key] = min(values) if values else None
+    values = [r["query_ms"] for r in runs if r.get("query_ms") is not None]
+    best["query_ms"] = min(values) if values else None
     return {**best, "rounds": runs}
 
 
@@ -319,6 +350,12 @@ def main() -> int:
         "load_average_at_end": os.getloadavg(),
         **{name: _best(r) for name, r in runs.items()},
     }
+    if binaries is not None and gguf is not None:
+        http = http_query_ms(
+            server_commands(binaries, gguf, args.threads), 18000 + os.getpid() % 1000
+        )
+        for name, key in (("pagedllm", "pagedllm (GGUF)"), ("llama.cpp", "llama.cpp")):
+            report[key]["http_query_ms"] = http[name]
     if args.mixed:
         report["mixed"] = run_worker("mixed", args)
     print_table(report)

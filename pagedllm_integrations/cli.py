@@ -33,6 +33,7 @@ EXTRAS = {
     "uvicorn": "server",
     "prometheus_client": "server",
     "httpx": "server",
+    "orjson": "server",
     "langchain_core": "langchain",
     "llama_index": "llama-index",
     "ray": "ray",

@@ -60,6 +60,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of the engine's kernels (llama.cpp's -t, Ollama's num_thread; "
+        "default: torch's thread count, OMP_NUM_THREADS or the cores)",
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (Ray)")
     parser.add_argument("--distributed-executor-backend", default=None, choices=[None, "mp", "ray"])
@@ -91,6 +98,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         swap_dir=args.swap_dir,
         enable_chunked_prefill=args.enable_chunked_prefill,
         device=args.device,
+        num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,

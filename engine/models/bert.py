@@ -103,6 +103,7 @@ class BertLayer(nn.Module):
         self.attn_norm = nn.LayerNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.out_norm = nn.LayerNorm(hidden, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.hidden_act = cfg.hidden_act
         self.fused_kernels = fused_kernels
 
     def forward(
@@ -128,7 +129,10 @@ class BertLayer(nn.Module):
             split.run(attend, split.sequences(bounds))
         x = self._add_norm(x, self.attn_out(out.view(rows, -1)), self.attn_norm, split)
         hidden = self.up(x)
-        split.run(lambda r: self.act(hidden[r[0] : r[1]]), split.rows(rows))
+        if self.fused_kernels and self.hidden_act == "gelu":
+            torch.ops.pagedllm.gelu_erf_(hidden)
+        else:
+            split.run(lambda r: self.act(hidden[r[0] : r[1]]), split.rows(rows))
         return self._add_norm(x, self.down(hidden), self.out_norm, split)
 
     def _add_norm(

@@ -29,6 +29,8 @@ void paged_attention_rows_(const Tensor& q, const Tensor& k_cache, const Tensor&
 // encoder.cpp: bidirectional attention within each sequence of a step.
 // qkv float32 [T, 3, H, D], cu_seqlens int64 [B + 1] -> out float32 [T, H, D]
 Tensor encoder_attention(const Tensor& qkv, const Tensor& cu_seqlens, double scale);
+// x float32 -> x * Phi(x) (exact gelu, erf to 1.5e-7), in place
+void gelu_erf_(Tensor& x);
 // x, y float32 [T, H]; weight, bias float32 [H] -> LayerNorm(y + x) float32 [T, H]
 Tensor add_layer_norm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
                       double eps);

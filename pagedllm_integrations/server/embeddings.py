@@ -8,8 +8,9 @@ itself when it embeds (an encoder served alone, or a decoder with last-token poo
     -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}],
         "model": name, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
-Inputs are tokenized and validated off the event loop, all before any is submitted; every
-bad input is a 400 naming its index. base64 is the float32 little-endian bytes of each
+Inputs are tokenized and validated off the event loop (a request of a few short texts, on
+it: cheaper than the hop), all before any is submitted; every bad input is a 400 naming its
+index. base64 is the float32 little-endian bytes of each
 vector, as OpenAI's clients decode it.
 """
 
@@ -20,7 +21,9 @@ import base64
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse, Response
+import numpy as np
+import orjson
+from fastapi.responses import Response
 from pydantic import Field
 from starlette.requests import Request
 
@@ -100,6 +103,15 @@ def _prompts(value: Any) -> list[Any]:
     return value
 
 
+# Up to this many characters of text (or token ids) a request is tokenized on the event
+# loop: a query of a few words takes ~50 us there, the pool's round trip ~0.2 ms.
+_INLINE_CHARACTERS = 1024
+
+
+def _small(prompts: list[Any]) -> bool:
+    return sum(len(p) for p in prompts) <= _INLINE_CHARACTERS
+
+
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -135,9 +147,12 @@ async def create_embedding(
     state.in_flight += len(prompts)  # reserved now: the awaits below let others in
     try:
         try:
-            groups = await state.off_loop(
-                request, lambda: engine.process_embedding_inputs(prompts, params)
-            )
+            if _small(prompts):  # tokenizing costs less than the hop to the pool
+                groups = engine.process_embedding_inputs(prompts, params)
+            else:
+                groups = await state.off_loop(
+                    request, lambda: engine.process_embedding_inputs(prompts, params)
+                )
         except ValueError as error:
             raise APIError(400, str(error), param="input") from None
         outputs = await _results(engine, groups, request)
@@ -150,14 +165,16 @@ async def create_embedding(
         for index, output in enumerate(outputs)
     ]
     tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    return JSONResponse(
+    body_bytes = orjson.dumps(
         {
             "object": "list",
             "data": data,
             "model": route.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        },
+        option=orjson.OPT_SERIALIZE_NUMPY,
     )
+    return Response(body_bytes, media_type="application/json")
 
 
 async def _results(engine: EngineClient, groups: list, request: Request) -> list[Any]:
@@ -189,8 +206,12 @@ async def _results(engine: EngineClient, groups: list, request: Request) -> list
                 engine.abort(stream.request_id)
 
 
-def _encode(output: Any, encoding_format: str) -> list[float] | str:
-    vector = output.outputs.data
+def _encode(output: Any, encoding_format: str) -> np.ndarray | str:
+    """The vector as float32: base64 of its little-endian bytes, or the array itself, which
+    orjson writes as JSON numbers, each the shortest text that reads back as the same
+    float32 (json.dumps of its float64 values took 0.4 ms for 384 of them, as long as the
+    rest of a short query's route)."""
+    vector = np.ascontiguousarray(output.outputs.data.float().numpy(), dtype="<f4")
     if encoding_format == "base64":
-        return base64.b64encode(vector.float().numpy().astype("<f4").tobytes()).decode()
-    return vector.tolist()
+        return base64.b64encode(vector.tobytes()).decode()
+    return vector
