@@ -1,5 +1,5 @@
 """The encoders' C++ kernels (embedding models on the CPU fast path): bidirectional
-attention and the residual LayerNorm against torch (kernels/csrc/encoder.cpp), and the dense
+attention, the residual LayerNorm and gelu against torch (kernels/csrc/encoder.cpp), and the dense
 linears on AMX-BF16 tiles (kernels/csrc/linear_amx_bf16.cpp): close to the exact products,
 the same bits for a row whatever shares its batch, and refused where the CPU lacks them."""
 
@@ -94,6 +94,14 @@ def test_add_layer_norm_matches_torch(hidden):
     assert torch.equal(ops().add_layer_norm(x[3:4], y[3:4], weight, bias, 1e-12), got[3:4])
 
 
+def test_gelu_erf_is_the_exact_gelu_within_2e_7():
+    x = torch.cat([torch.linspace(-12, 12, 20001), torch.randn(5000) * 3, torch.tensor([0.0])])
+    got = x.clone()
+    ops().gelu_erf_(got)
+    error = (got.double() - F.gelu(x.double())).abs() / x.double().abs().clamp(min=1)
+    assert float(error.max()) < 2e-7
+
+
 @needs_amx_bf16
 @pytest.mark.parametrize(
     "m, k, n", [(1, 32, 16), (5, 64, 40), (33, 96, 70), (100, 384, 1152), (70, 1536, 384)]
@@ -178,8 +186,10 @@ CHILD = textwrap.dedent(
     )
     qkv, cu, scale, x, y, w, b = torch.load(io + "/in.pt")
     ops = torch.ops.pagedllm
-    torch.save([ops.encoder_attention(qkv, cu, scale), ops.add_layer_norm(x, y, w, b, 1e-12)],
-               io + "/out.pt")
+    activated = x.clone()
+    ops.gelu_erf_(activated)
+    torch.save([ops.encoder_attention(qkv, cu, scale), ops.add_layer_norm(x, y, w, b, 1e-12),
+                activated], io + "/out.pt")
     """
 )
 
@@ -203,7 +213,8 @@ def test_encoder_ops_without_avx512(flags, tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    attention, normed = torch.load(tmp_path / "out.pt")
+    attention, normed, activated = torch.load(tmp_path / "out.pt")
     want = reference_attention(qkv, bounds, 0.2)
     torch.testing.assert_close(attention, want, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(normed, F.layer_norm(y + x, (96,), w, b, 1e-12), rtol=0, atol=1e-5)
+    torch.testing.assert_close(activated, F.gelu(x), rtol=0, atol=1e-6)
