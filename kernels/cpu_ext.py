@@ -1,7 +1,7 @@
 """Load the C++ CPU kernels of kernels/csrc/ (linear_packed.cpp, linear.cpp,
-linear_bf16.cpp, linear_amx_bf16.cpp, attention.cpp, encoder.cpp, ops.cpp, decoder.cpp,
-thread_pool.cpp, amx.cpp; common.h, kernels.h, linear.h, decoder.h, thread_pool.h, amx.h):
-prebuilt from the wheel, else compiled once for this CPU.
+linear_bf16.cpp, linear_amx_bf16.cpp, attention.cpp, encoder.cpp, encoder_layer.cpp, ops.cpp,
+decoder.cpp, thread_pool.cpp, amx.cpp; common.h, kernels.h, linear.h, decoder.h,
+thread_pool.h, amx.h): prebuilt from the wheel, else compiled once for this CPU.
 
 Where they come from, in order:
 1. The wheel's prebuilt library of the instruction-set level that fits this CPU fully

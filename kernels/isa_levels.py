@@ -39,6 +39,7 @@ SOURCES = (
     "linear.cpp",
     "attention.cpp",
     "encoder.cpp",
+    "encoder_layer.cpp",
     "decoder.cpp",
     "thread_pool.cpp",
     "amx.cpp",

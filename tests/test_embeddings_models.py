@@ -85,6 +85,30 @@ def test_minilm_fast_path_vector_does_not_depend_on_its_batch(minilm_folder):
     assert torch.equal(together, alone)
 
 
+def test_minilm_whole_layer_op_gives_the_module_paths_bits(minilm_folder):
+    """encoder_layer (one C++ call a layer) runs the fast path's ops in the module path's
+    order: the same hidden states, bit for bit."""
+    import types
+
+    from pagedllm_integrations.engine.white_box import core_of
+
+    with LLM(str(minilm_folder), **ENGINE) as llm:
+        model = core_of(llm).executor.runner.model
+        if not model.fused_cpu:
+            pytest.skip("no CPU fast path here")
+        lengths = [1, 37, 200, 64]
+        meta = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, 1, 38, 238, 302]))
+        ids = torch.randint(
+            1000, 20000, (sum(lengths),), generator=torch.Generator().manual_seed(0)
+        )
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        assert all(layer.whole_layer_kernels() is not None for layer in model.layers)
+        whole = model(ids, positions, [], meta)
+        for layer in model.layers:
+            layer._layer_kernels = []  # the module path from now on
+        assert torch.equal(model(ids, positions, [], meta), whole)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, floor", [("float32", 0.9999), ("auto", 0.999)])
 def test_minilm_1000_texts(minilm_folder, sentence_transformer, dtype, floor):

@@ -10,8 +10,9 @@ the scheduler runs an encoder's prompt whole in one step (engine/scheduler.py), 
 rows of sequence i in the flat batch are all of it (meta.cu_seqlens_q). The linears come
 from the engine's LinearFactory (on the CPU fast path, quant/packed_linear.encoder_linear:
 bf16 weights on AMX-BF16 tiles where the CPU has them, else the vdpbf16ps kernels, or int8
-GGUF blocks); on the fast path attention and the residual LayerNorms are C++ ops too
-(kernels/csrc/encoder.cpp), and the embeddings' sum and the activation torch, in float32.
+GGUF blocks); on the fast path attention, gelu and the residual LayerNorms are C++ ops too
+(kernels/csrc/encoder.cpp; with the linears, one call a layer: encoder_layer.cpp), and the
+embeddings' sum torch, all in float32.
 Off it (dtype="float32"), everything is torch: the reference the parity tests pin.
 
 Checkpoints: Hugging Face `BertModel` names, with or without the `bert.` prefix of the
@@ -105,12 +106,34 @@ class BertLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.hidden_act = cfg.hidden_act
         self.fused_kernels = fused_kernels
+        self._layer_kernels: list | None = None  # whole_layer_kernels, once decided
+
+    def whole_layer_kernels(self) -> list | None:
+        """The C++ Linears of qkv, o, up, down when the layer runs as one C++ op
+        (encoder_layer.cpp: the same operations as the fused path below, in one
+        call): fused kernels, exact gelu, all four linears C++ ones
+        (quant/packed_linear.PackedStackedLinear). Decided at the first forward, once the
+        weights are in."""
+        if self._layer_kernels is None:
+            linears = (self.qkv, self.attn_out, self.up, self.down)
+            kernels = [getattr(m, "kernel_linear", lambda: None)() for m in linears]
+            usable = self.fused_kernels and self.hidden_act == "gelu"
+            complete = all(k is not None for k in kernels)
+            self._layer_kernels = kernels if usable and complete else []
+        return self._layer_kernels or None
 
     def forward(
         self, x: torch.Tensor, bounds: list[int], cu_seqlens: torch.Tensor, split: SplitWork
     ) -> torch.Tensor:
         """x [T, hidden]; sequence i is rows bounds[i]:bounds[i + 1] (cu_seqlens: the same,
         int64 [B + 1], for the C++ attention)."""
+        kernels = self.whole_layer_kernels()
+        if kernels is not None:
+            return torch.ops.pagedllm.encoder_layer(
+                x, cu_seqlens, *kernels,
+                self.attn_norm.weight, self.attn_norm.bias, self.out_norm.weight,
+                self.out_norm.bias, self.heads, self.scale, self.attn_norm.eps,
+            )  # fmt: skip
         rows = x.shape[0]
         qkv = self.qkv(x).view(rows, 3, self.heads, self.head_dim)
         if self.fused_kernels:  # the C++ op: one call for every sequence and head

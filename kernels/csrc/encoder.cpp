@@ -11,6 +11,8 @@
 // 7.1.26 (absolute error below 1.5e-7 in erf: the result is within 2e-7 * |x| of the exact
 // gelu, below the bf16 rounding of the linears around it); torch's gelu took 3 ns an element.
 //
+// encoder_layer.cpp composes these ops and the layer's Linears into one call a layer.
+//
 // add_layer_norm: LayerNorm(y + x) of every row, the post-norm residual of a BERT layer, in
 // one pass over the rows spread over the pool (torch took a quarter of an embedding step
 // for it: the add, a copy and the norm, each a pass of its own).
@@ -306,6 +308,7 @@ Tensor encoder_attention(const Tensor& qkv, const Tensor& cu_seqlens, double sca
 }
 
 }  // namespace api
+
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {

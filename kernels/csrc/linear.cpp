@@ -134,6 +134,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       .def("num_segments", &pagedllm::Linear::num_segments)
       .def("segment_formats", &pagedllm::Linear::segment_formats);
   pagedllm::register_decoder_stack(m);
+  pagedllm::register_encoder_layer(m);
   // x [M, K] float32 -> [M, N] float32
   m.def("linear(__torch__.torch.classes.pagedllm.Linear weight, Tensor x) -> Tensor",
         [](const LinearPtr& weight, const at::Tensor& x) { return weight->forward(x); });
