@@ -135,6 +135,7 @@ class PackedStackedLinear(nn.Module):
         self.out_features = sum(output_sizes)
         self.shards: list[PackedWeight | torch.Tensor | None] = [None] * len(output_sizes)
         self.segments: list[KernelWeight] = []  # in output-row order, once complete
+        self._weight_bytes = 0  # of the weights as the kernels hold them, once complete
         self.kernel: Any = None  # torch.classes.pagedllm.Linear over the segments
         self.bias = torch.zeros(self.out_features) if bias else None
         self._offsets = [0]
@@ -167,10 +168,13 @@ class PackedStackedLinear(nn.Module):
             self._complete([kernel_weight(w) for w in stack_by_format(complete)])
 
     def _complete(self, segments: list[KernelWeight]) -> None:
-        self.segments = segments
-        self.kernel = build_kernel_linear(
-            self.in_features, self.segments, self.bias, self.dense_on_amx
-        )
+        self.kernel = build_kernel_linear(self.in_features, segments, self.bias, self.dense_on_amx)
+        self._weight_bytes = sum(_kernel_weight_bytes(w) for w in segments)
+        # Dense weights on AMX tiles live in the kernel's packed copy: holding the bf16
+        # tensors too would double an encoder's memory. Such a linear has no segments to
+        # offer a mixed stack (only AWQ decoders combine them).
+        on_amx = "bf16-amx" in self.kernel.segment_formats()
+        self.segments = [] if on_amx else segments
         self.shards = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,11 +187,12 @@ class PackedStackedLinear(nn.Module):
         return self.kernel
 
     def kernel_segments(self) -> tuple[list[KernelWeight], torch.Tensor | None] | None:
-        """(segments, bias) once loaded: what a stack of mixed linears (AWQ) combines."""
-        return (self.segments, self.bias) if self.kernel is not None else None
+        """(segments, bias) once loaded: what a stack of mixed linears (AWQ) combines;
+        None where the kernel alone holds them (dense weights on AMX tiles)."""
+        return (self.segments, self.bias) if self.kernel is not None and self.segments else None
 
     def weight_bytes(self) -> int:
-        return sum(_kernel_weight_bytes(w) for w in self.segments)
+        return self._weight_bytes
 
 
 def _kernel_weight_bytes(weight: KernelWeight) -> int:

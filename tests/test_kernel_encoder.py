@@ -144,6 +144,23 @@ def test_linear_segments_on_amx_tiles_beside_packed_ones():
     assert torch.equal(ops().linear(alone, x), ops().amx_bf16_linear(x, packed, 48, bias[:48]))
 
 
+@needs_amx_bf16
+def test_encoder_linear_holds_its_dense_weight_once():
+    """On AMX the kernel's packed copy is the only one: no bf16 tensor kept beside it."""
+    from pagedllm_integrations.quant.packed_linear import encoder_linear
+
+    linear = encoder_linear(64, [32, 16], True, ["q", "k"], torch.float32, torch.device("cpu"))
+    weights = [torch.randn(32, 64), torch.randn(16, 64)]
+    for shard, weight in enumerate(weights):
+        linear.load("weight", weight, shard)
+    assert linear.kernel.segment_formats() == ["bf16-amx"]
+    assert linear.segments == [] and linear.kernel_segments() is None
+    assert linear.weight_bytes() == 48 * 64 * 2
+    x = torch.randn(5, 64)
+    packed = ops().amx_bf16_pack(torch.cat(weights).to(torch.bfloat16))
+    assert torch.equal(linear(x), ops().amx_bf16_linear(x, packed, 48, linear.bias))
+
+
 def test_amx_bf16_is_refused_where_it_is_off():
     """PAGEDLLM_DISABLE_AMX=1 (or a CPU without it): a clear error, and encoder_linear
     falls back to the vdpbf16ps recipe."""
