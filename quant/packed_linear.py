@@ -272,9 +272,13 @@ def packed_linear(
     device: torch.device,
 ) -> nn.Module:
     """The LinearFactory of the CPU fast path (any checkpoint: GGUF, float folders)."""
+    return _on_cpu(PackedStackedLinear(in_features, output_sizes, bias), device)
+
+
+def _on_cpu(module: PackedStackedLinear, device: torch.device) -> PackedStackedLinear:
     if device.type != "cpu":
         raise ValueError("packed linears run on the CPU")
-    return PackedStackedLinear(in_features, output_sizes, bias)
+    return module
 
 
 def amx_bf16_available() -> bool:
@@ -292,6 +296,5 @@ def encoder_linear(
 ) -> nn.Module:
     """The CPU fast path's LinearFactory for encoders (embedding models): packed_linear's,
     with dense weights on AMX-BF16 tiles where the CPU has them."""
-    if device.type != "cpu":
-        raise ValueError("packed linears run on the CPU")
-    return PackedStackedLinear(in_features, output_sizes, bias, amx_bf16_available())
+    module = PackedStackedLinear(in_features, output_sizes, bias, amx_bf16_available())
+    return _on_cpu(module, device)

@@ -10,8 +10,8 @@ itself when it embeds (an encoder served alone, or a decoder with last-token poo
 
 Inputs are tokenized and validated off the event loop (a request of a few short texts, on
 it: cheaper than the hop), all before any is submitted; every bad input is a 400 naming its
-index. base64 is the float32 little-endian bytes of each
-vector, as OpenAI's clients decode it.
+index. base64 is the float32 little-endian bytes of each vector, as OpenAI's clients
+decode it.
 """
 
 from __future__ import annotations
