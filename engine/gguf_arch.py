@@ -18,6 +18,7 @@ What the converter does per architecture (and `fix_tensor` undoes):
 - phi3: q/k/v and gate/up stay fused (attn_qkv, ffn_up holding gate|up, as in the
   Hugging Face checkpoint); the longrope factors become tensors (rope_factors_long/short)
   and go back into the config.
+- bert, nomic-bert: names only (gguf_bert.py; nomic keeps q, k, v fused as Wqkv).
 Nothing else is transformed; everything keeps the Hugging Face [out, in] layout.
 """
 
@@ -31,7 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gguf_bert import BERT_BLOCK, BERT_TOP_LEVEL, bert_config, write_bert_files
+from .gguf_bert import (
+    BERT_BLOCK,
+    BERT_TOP_LEVEL,
+    NOMIC_BERT_BLOCK,
+    NOMIC_BERT_TOP_LEVEL,
+    bert_config,
+    nomic_bert_config,
+    write_bert_files,
+)
 
 # GGUF tensor name (the part after blk.N.) -> Hugging Face name (after model.layers.N.).
 _LLAMA_BLOCK = {
@@ -230,6 +239,15 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
         config=bert_config,
         top_level=BERT_TOP_LEVEL,
         layer_prefix="encoder.layer",
+        write_files=write_bert_files,
+    ),
+    "nomic-bert": GGUFArch(
+        "NomicBertModel",
+        "nomic_bert",
+        NOMIC_BERT_BLOCK,
+        config=nomic_bert_config,
+        top_level=NOMIC_BERT_TOP_LEVEL,
+        layer_prefix="encoder.layers",
         write_files=write_bert_files,
     ),
 }

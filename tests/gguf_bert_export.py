@@ -1,13 +1,16 @@
-"""Write a BERT folder (all-MiniLM-L6-v2, or a tiny random one) as a GGUF file in the layout
-llama.cpp's convert_hf_to_gguf.py gives `BertModel`, with the `gguf` package's own tensor
-name table: what the tests read when llama.cpp's converter is not installed.
+"""Write a BERT folder (all-MiniLM-L6-v2, or a tiny random one) or a NomicBERT folder as a
+GGUF file in the layout llama.cpp's convert_hf_to_gguf.py gives `BertModel` /
+`NomicBertModel`, with the `gguf` package's own tensor name tables: what the tests read when
+llama.cpp's converter is not installed.
 
 What the converter does, and this too: tensor names from gguf's BERT table (`bert.` prefix
 and the pooler dropped), 1-d tensors and the position / token-type tables in F32, the
 matrices in the chosen type; the WordPiece vocabulary in "phantom space" form (a word start
 gets a leading U+2581, a `##` continuation loses its `##`, special tokens stay) and its
 `normalizer.lowercase` flag;
-`bert.pooling_type` from sentence-transformers' Pooling config; `attention.causal` false.
+`<arch>.pooling_type` from sentence-transformers' Pooling config; `attention.causal` false.
+NomicBERT: nomic's names for the sizes (n_embd, ...), `rope.freq_base` from
+rotary_emb_base, the 2,048 trained positions as the context length, Wqkv kept fused.
 """
 
 from __future__ import annotations
@@ -46,8 +49,21 @@ def export_bert_gguf(folder: Path, out: Path, weight_type: str = "F16") -> Path:
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
+    nomic = config.get("architectures") == ["NomicBertModel"]
+    arch = gguf.MODEL_ARCH.NOMIC_BERT if nomic else gguf.MODEL_ARCH.BERT
+    if nomic:  # nomic's GPT-2 style names; the context it was trained for
+        config = {
+            "num_hidden_layers": config["n_layer"],
+            "max_position_embeddings": config.get("max_trained_positions", 2048),
+            "hidden_size": config["n_embd"],
+            "intermediate_size": config["n_inner"],
+            "num_attention_heads": config["n_head"],
+            "layer_norm_eps": config["layer_norm_epsilon"],
+            "type_vocab_size": config["type_vocab_size"],
+            "rope_theta": config["rotary_emb_base"],
+        }
     layers = int(config["num_hidden_layers"])
-    writer = gguf.GGUFWriter(str(out), "bert")
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(folder.name)
     writer.add_context_length(int(config["max_position_embeddings"]))
     writer.add_embedding_length(int(config["hidden_size"]))
@@ -55,6 +71,8 @@ def export_bert_gguf(folder: Path, out: Path, weight_type: str = "F16") -> Path:
     writer.add_block_count(layers)
     writer.add_head_count(int(config["num_attention_heads"]))
     writer.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-12)))
+    if nomic:
+        writer.add_rope_freq_base(float(config["rope_theta"]))
     writer.add_causal_attention(False)
     writer.add_pooling_type(gguf.PoolingType(_pooling(folder)))
     writer.add_file_type(
@@ -70,6 +88,11 @@ def export_bert_gguf(folder: Path, out: Path, weight_type: str = "F16") -> Path:
         gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
         for i in range(len(tokens))
     ]
+    # A vocabulary padded past the tokenizer's (nomic's 30,528 rows for 30,522 tokens):
+    # the converter names the extra rows [PAD<i>].
+    rows = json.loads((folder / "config.json").read_text()).get("vocab_size", len(tokens))
+    types += [gguf.TokenType.USER_DEFINED] * (rows - len(tokens))
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), rows)]
     writer.add_token_type_count(int(config.get("type_vocab_size", 2)))
     writer.add_tokenizer_model("bert")
     writer.add_bool("tokenizer.ggml.normalizer.lowercase", bool(tokenizer.do_lower_case))
@@ -87,7 +110,7 @@ def export_bert_gguf(folder: Path, out: Path, weight_type: str = "F16") -> Path:
         if value is not None and adder is not None:
             adder(int(value))
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, layers)
+    names = gguf.get_tensor_name_map(arch, layers)
     keep_f32 = ("position_embd", "token_types")
     for raw, tensor in load_file(str(folder / "model.safetensors")).items():
         name = raw.removeprefix("bert.")

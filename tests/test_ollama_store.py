@@ -46,15 +46,27 @@ def _blob(store: Path, data: bytes | None = None, source: Path | None = None) ->
     return {"digest": f"sha256:{digest}", "size": size}
 
 
-def write_store(store: Path, name: str, tag: str, extra_layers: tuple = ()) -> Path:
-    layers = [
-        {"mediaType": "application/vnd.ollama.image.model", **_blob(store, source=GGUF)},
+def write_store(
+    store: Path,
+    name: str,
+    tag: str,
+    extra_layers: tuple = (),
+    gguf: Path | None = None,
+    params: dict | None = None,
+) -> Path:
+    """A pulled model: `gguf` (the embedded default) with a chat model's template, system
+    prompt and PARAMS; with `params`, only those beside the file (an embedding model's)."""
+    chat_layers = [
         {"mediaType": "application/vnd.ollama.image.template",
          **_blob(store, TEMPLATE.encode())},
         {"mediaType": "application/vnd.ollama.image.system",
          **_blob(store, b"You are a helpful assistant.")},
+    ]  # fmt: skip
+    layers = [
+        {"mediaType": "application/vnd.ollama.image.model", **_blob(store, source=gguf or GGUF)},
+        *(chat_layers if params is None else []),
         {"mediaType": "application/vnd.ollama.image.params",
-         **_blob(store, json.dumps(PARAMS).encode())},
+         **_blob(store, json.dumps(PARAMS if params is None else params).encode())},
         *extra_layers,
     ]  # fmt: skip
     config = json.dumps({"model_format": "gguf", "model_family": "llama", "file_type": "Q4_1"})

@@ -15,7 +15,13 @@ from typing import Any
 import torch
 
 from .backend import Backend
-from .bert import BERT_ARCHITECTURES, BertEncoder, parse_bert_config
+from .bert import (
+    BERT_ARCHITECTURES,
+    NOMIC_BERT_ARCHITECTURES,
+    BertEncoder,
+    parse_bert_config,
+    parse_nomic_bert_config,
+)
 from .causal_lm import CausalLM
 from .config import ModelConfig, hf_architecture
 from .gemma import (
@@ -50,6 +56,9 @@ _FAMILIES: dict[str, ModelFamily] = {
     "Phi3ForCausalLM": ModelFamily(parse_phi3_config, Phi3ForCausalLM),
     # Encoders: embedding models only (ModelConfig.causal is False).
     **{arch: ModelFamily(parse_bert_config, BertEncoder) for arch in BERT_ARCHITECTURES},
+    **{
+        arch: ModelFamily(parse_nomic_bert_config, BertEncoder) for arch in NOMIC_BERT_ARCHITECTURES
+    },
 }
 
 
