@@ -62,7 +62,7 @@ def make_embedding_group(
         priority=priority,
         arrival_time=now,
         parent_id=request_id,
-        pooling=PoolingState(params, pooler.pooling_type, pooler.normalize),
+        pooling=PoolingState(params, pooler.pooling_type, pooler.normalize, pooler.dense),
     )
     return RequestGroup(request_id, text, token_ids, _NO_SAMPLING, [request], now, sent=[(0, 0)])
 

@@ -167,7 +167,7 @@ class LLMEngine:
             block_size=block_size,
             generation_defaults=dict(self.generation_defaults),
             tasks=model_tasks(config.runner, encoder, config.tensor_parallel_size),
-            embedding_size=self.model_config.hidden_size,
+            embedding_size=self.pooler.embedding_size(self.model_config.hidden_size),
             pooler=self.pooler,
         )
         self.inputs = InputProcessor(config, self.tokenizer, self.info, self.device)

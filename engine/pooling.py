@@ -1,8 +1,9 @@
 """Embeddings: how a prompt's hidden states become one vector, per model and per request.
 
-    PoolerConfig   per model: the pooling (mean, CLS, last token) and whether vectors are
-                   scaled to unit length; read from the model's sentence-transformers files
-                   (modules.json, 1_Pooling/config.json), overridable by `pooler_config`.
+    PoolerConfig   per model: the pooling (mean, CLS, last token), the Dense projections
+                   after it (EmbeddingGemma's two) and whether vectors are scaled to unit
+                   length; read from the model's sentence-transformers files (modules.json,
+                   1_Pooling/config.json, N_Dense/), overridable by `pooler_config`.
     PoolingParams  per request: normalize, Matryoshka `dimensions`, `truncate`.
     PoolingState   per request in flight: what the chunks computed so far add up to (a
                    decoder's prompt may run over several steps; an encoder's runs in one).
@@ -13,6 +14,7 @@ last row, both normalized: what vLLM does for such models.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -35,7 +37,11 @@ _ST_UNSUPPORTED = (
     "pooling_mode_mean_sqrt_len_tokens",
     "pooling_mode_weightedmean_tokens",
 )
-_ST_PREFIX = "sentence_transformers.models."
+# sentence-transformers' Dense activations (its default is Tanh) -> in place on a vector
+_DENSE_ACTIVATIONS = {
+    "Identity": None,
+    "Tanh": torch.tanh,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +54,38 @@ class PoolerConfig:
     max_seq_length: int | None = None  # sentence-transformers' limit (sentence_bert_config)
     # Matryoshka: None = `dimensions` refused; () = any size up to the full one; else the list
     matryoshka_dimensions: tuple[int, ...] | None = None
+    dense: tuple[DenseLayer, ...] = ()  # applied in order to the pooled vector
 
     def describe(self) -> str:
         norm = "normalized" if self.normalize else "not normalized"
-        return f"{self.pooling_type} pooling, {norm} ({self.source})"
+        dense = "".join(f", Dense {d.in_features}->{d.out_features}" for d in self.dense)
+        return f"{self.pooling_type} pooling{dense}, {norm} ({self.source})"
+
+    def embedding_size(self, hidden: int) -> int:
+        """The length of a full embedding of a model `hidden` wide."""
+        return self.dense[-1].out_features if self.dense else hidden
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DenseLayer:
+    """A sentence-transformers Dense module: vector -> activation(weight @ vector + bias)."""
+
+    weight: torch.Tensor = field(repr=False)  # float32 [out_features, in_features]
+    bias: torch.Tensor | None = field(repr=False)  # float32 [out_features]
+    activation: str = "Identity"  # a key of _DENSE_ACTIVATIONS
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def __call__(self, vector: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(vector, self.weight, self.bias)
+        act = _DENSE_ACTIVATIONS[self.activation]
+        return out if act is None else act(out)
 
 
 def read_pooler_config(
@@ -61,9 +95,10 @@ def read_pooler_config(
     default for its kind; `override` (EngineConfig.pooler_config) wins key by key."""
     pooling, normalize, source = ("last" if causal else "cls"), True, "default for the model type"
     max_seq_length = None
+    dense: tuple[DenseLayer, ...] = ()
     modules = _read_json(folder / "modules.json")
     if isinstance(modules, list):
-        pooling, normalize = _from_modules(folder, modules)
+        pooling, normalize, dense = _from_modules(folder, modules)
         source = "sentence-transformers modules.json"
         settings = _read_json(folder / "sentence_bert_config.json") or {}
         if isinstance(settings.get("max_seq_length"), int):
@@ -84,7 +119,7 @@ def read_pooler_config(
                 )
             normalize = override["normalize"]
         source = f"pooler_config over {source}"
-    return PoolerConfig(pooling, normalize, source, max_seq_length, _matryoshka(hf_config))
+    return PoolerConfig(pooling, normalize, source, max_seq_length, _matryoshka(hf_config), dense)
 
 
 def check_pooling_type(value: Any) -> str:
@@ -95,26 +130,74 @@ def check_pooling_type(value: Any) -> str:
     return name
 
 
-def _from_modules(folder: Path, modules: list[dict[str, Any]]) -> tuple[str, bool]:
+def _from_modules(
+    folder: Path, modules: list[dict[str, Any]]
+) -> tuple[str, bool, tuple[DenseLayer, ...]]:
     pooling: str | None = None
     normalize = False
+    dense: list[DenseLayer] = []
     for module in modules:
-        kind = str(module.get("type", "")).removeprefix(_ST_PREFIX)
-        if kind == "Transformer":
+        # sentence_transformers.models.Pooling, or (sentence-transformers 6)
+        # sentence_transformers.sentence_transformer.modules.pooling.Pooling
+        kind = str(module.get("type", "")).rpartition(".")[2]
+        path = folder / str(module.get("path", ""))
+        if kind == "Transformer" and not dense and pooling is None:
             continue
         if kind == "Normalize":
             normalize = True
-        elif kind == "Pooling":
-            pooling = _pooling_mode(folder / str(module.get("path", "")) / "config.json")
-        else:  # Dense, LayerNorm, WordEmbeddings, ...: layers after the transformer
+        elif kind == "Pooling" and pooling is None:
+            pooling = _pooling_mode(path / "config.json")
+        elif kind == "Dense" and pooling is not None and not normalize:
+            dense.append(_dense_layer(path))
+        else:  # LayerNorm, WordEmbeddings, ..., or the modules in another order
             raise ValueError(
                 f"{folder}: the sentence-transformers module {module.get('type')!r} "
-                f"({module.get('path')}) is not supported; pagedllm runs Transformer -> "
-                "Pooling -> Normalize"
+                f"({module.get('path')}) is not supported where it is; pagedllm runs "
+                "Transformer -> Pooling -> Dense (any number) -> Normalize"
             )
     if pooling is None:
         raise ValueError(f"{folder}/modules.json has no Pooling module")
-    return pooling, normalize
+    widths = [(a.out_features, b.in_features) for a, b in itertools.pairwise(dense)]
+    if any(out != into for out, into in widths):
+        raise ValueError(f"{folder}: the Dense modules' sizes do not chain: {widths}")
+    return pooling, normalize, tuple(dense)
+
+
+def _dense_layer(path: Path) -> DenseLayer:
+    """A Dense module's folder: config.json (in_features, out_features, bias,
+    activation_function) and its `linear.weight` / `linear.bias` in model.safetensors (or
+    pytorch_model.bin, as older sentence-transformers wrote it)."""
+    settings = _read_json(path / "config.json")
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}/config.json is missing or not a JSON object")
+    activation = str(settings.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    activation = activation.rpartition(".")[2]
+    if activation not in _DENSE_ACTIVATIONS:
+        raise ValueError(
+            f"{path}: Dense activation {settings.get('activation_function')!r} is not "
+            f"supported ({', '.join(_DENSE_ACTIVATIONS)})"
+        )
+    if (path / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path / "model.safetensors"))
+    elif (path / "pytorch_model.bin").exists():
+        tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{path} holds no weights (model.safetensors or pytorch_model.bin)")
+    weight = tensors.get("linear.weight")
+    shape = (int(settings.get("out_features", -1)), int(settings.get("in_features", -1)))
+    if weight is None or tuple(weight.shape) != shape:
+        raise ValueError(
+            f"{path}: linear.weight is {None if weight is None else tuple(weight.shape)}, its "
+            f"config says [out_features, in_features] = {list(shape)}"
+        )
+    bias = tensors.get("linear.bias") if settings.get("bias", True) else None
+    return DenseLayer(
+        weight.float().contiguous(),
+        None if bias is None else bias.float().contiguous(),
+        activation,
+    )
 
 
 def _pooling_mode(path: Path) -> str:
@@ -123,6 +206,15 @@ def _pooling_mode(path: Path) -> str:
         raise ValueError(f"{path} is missing or not a JSON object")
     unsupported = [key for key in _ST_UNSUPPORTED if settings.get(key)]
     modes = [mode for key, mode in _ST_MODES.items() if settings.get(key)]
+    named = settings.get("pooling_mode")  # sentence-transformers 6: one name, or several
+    for name in [named] if isinstance(named, str) else named or []:
+        key = f"pooling_mode_{name}" if name != "mean" else "pooling_mode_mean_tokens"
+        if key == "pooling_mode_cls":
+            key = "pooling_mode_cls_token"
+        if key in _ST_MODES:
+            modes.append(_ST_MODES[key])
+        else:
+            unsupported.append(str(name))
     if unsupported or len(modes) != 1:
         raise ValueError(
             f"{path}: pooling {unsupported + modes or 'none'} is not supported; pagedllm "
@@ -203,6 +295,7 @@ class PoolingState:
     params: PoolingParams
     pooling_type: str
     normalize: bool
+    dense: tuple[DenseLayer, ...] = ()  # the model's projections after pooling
     total: torch.Tensor | None = None  # float32 [hidden]: the sum (mean), the row (cls, last)
     rows: int = 0
     result: torch.Tensor | None = field(default=None, repr=False)
@@ -227,6 +320,8 @@ class PoolingState:
     def finish(self, num_tokens: int) -> torch.Tensor:
         assert self.total is not None, "a pooling request finished without its rows"
         vector = self.total / num_tokens if self.pooling_type == "mean" else self.total
+        for layer in self.dense:
+            vector = layer(vector)
         if self.params.dimensions is not None:
             vector = vector[: self.params.dimensions]
         normalize = self.normalize if self.params.normalize is None else self.params.normalize

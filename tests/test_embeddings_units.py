@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedllm_integrations.engine import cpu_share
 from pagedllm_integrations.engine.pooling import (
@@ -53,13 +54,68 @@ def test_pooler_config_defaults_without_files(tmp_path):
     "pooling, extra, message",
     [
         ({"pooling_mode_max_tokens": True}, (), "pooling_mode_max_tokens"),
-        ({"pooling_mode_mean_tokens": True}, ("Dense",), "Dense"),
+        ({"pooling_mode_mean_tokens": True}, ("LayerNorm",), "LayerNorm"),
+        ({"pooling_mode_mean_tokens": True}, ("Dense",), "2_Dense/config.json is missing"),
+        ({"pooling_mode": "max"}, (), r"\['max'\] is not supported"),
         ({"pooling_mode_lasttoken": True, "include_prompt": False}, (), "include_prompt"),
     ],
 )
 def test_unsupported_sentence_transformers_setups_are_refused(tmp_path, pooling, extra, message):
     with pytest.raises(ValueError, match=message):
         read_pooler_config(st_folder(tmp_path, pooling, extra), {}, causal=False, override=None)
+
+
+def _dense(folder: Path, name: str, out: int, into: int, activation: str, bias: bool) -> None:
+    from safetensors.torch import save_file
+
+    (folder / name).mkdir()
+    settings = {"in_features": into, "out_features": out, "bias": bias,
+                "activation_function": f"torch.nn.modules.{activation}"}  # fmt: skip
+    (folder / name / "config.json").write_text(json.dumps(settings))
+    tensors = {"linear.weight": torch.randn(out, into)}
+    if bias:
+        tensors["linear.bias"] = torch.randn(out)
+    save_file(tensors, str(folder / name / "model.safetensors"))
+
+
+def test_dense_modules_after_pooling(tmp_path):
+    """Dense projections (EmbeddingGemma's two; sentence-transformers' default activation
+    is Tanh) run on the pooled vector, in order, before Normalize; the embedding's length
+    is the last one's; sentence-transformers 6's names (module types under a longer
+    namespace, `pooling_mode`) read as the older ones."""
+    modules = [
+        {"path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"path": "1_Pooling", "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+        {"path": "2_Dense", "type": "sentence_transformers.base.modules.dense.Dense"},
+        {"path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+        {"path": "4_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]  # fmt: skip
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
+    _dense(tmp_path, "2_Dense", 12, 8, "activation.Tanh", bias=True)
+    _dense(tmp_path, "3_Dense", 6, 12, "linear.Identity", bias=False)
+    config = read_pooler_config(tmp_path, {}, causal=False, override=None)
+    assert config.describe().startswith("mean pooling, Dense 8->12, Dense 12->6, normalized")
+    assert config.embedding_size(8) == 6
+    first, second = config.dense
+    state = PoolingState(PoolingParams(), "mean", True, config.dense)
+    rows = torch.randn(3, 8)
+    state.add(rows.sum(0), 3)
+    pooled = rows.mean(0)
+    want = F.normalize(second.weight @ torch.tanh(first.weight @ pooled + first.bias), dim=-1)
+    assert torch.allclose(state.finish(3), want, atol=1e-6)
+    # sizes that do not chain, an activation it has no kernel for
+    _dense(tmp_path, "5_Dense", 6, 7, "linear.Identity", bias=False)
+    modules.insert(4, {"path": "5_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="do not chain"):
+        read_pooler_config(tmp_path, {}, causal=False, override=None)
+    settings = json.loads((tmp_path / "5_Dense" / "config.json").read_text())
+    settings.update(in_features=6, activation_function="torch.nn.modules.activation.GELU")
+    (tmp_path / "5_Dense" / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="GELU"):
+        read_pooler_config(tmp_path, {}, causal=False, override=None)
 
 
 def test_pooler_config_override_errors(tmp_path):

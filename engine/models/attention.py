@@ -6,11 +6,18 @@ x [T, hidden] -> qkv_proj (one stacked matmul) -> q [T, Hq, D], k, v [T, Hkv, D]
   -> reshape_and_cache into this layer's blocks
   -> paged_attention (scale, sliding window and logit soft-cap of this layer)
   -> o_proj -> [T, hidden]
+
+A bidirectional model (EmbeddingGemma: `ModelConfig.causal` False) keeps no KV cache: each
+sequence of the step (run whole, engine/scheduler.py) attends to all of its own tokens, or,
+in a sliding layer, to those within the window on either side.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import ops
@@ -44,6 +51,12 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale
         self.sliding_window = cfg.layer_sliding_window(layer)
         self.logits_soft_cap = cfg.attn_logit_softcap
+        self.causal = cfg.causal
+        # Bidirectional sliding layers: transformers' Gemma3TextConfig reads a window W as
+        # reaching W // 2 tokens to either side (|i - j| < W // 2 + 1).
+        self.reach = None
+        if not cfg.causal and self.sliding_window is not None:
+            self.reach = self.sliding_window // 2
         self.qkv_proj = make_linear(
             cfg.hidden_size,
             [self.q_size, self.kv_size, self.kv_size],
@@ -78,6 +91,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        if not self.causal:  # nothing cached: each sequence sees all of itself
+            out = self._bidirectional(q, k, v, meta.cu_seqlens_q.tolist())
+            return self.o_proj(out.view(num_tokens, self.q_size))
         k_cache, v_cache = kv_cache
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         out = torch.empty_like(q)
@@ -99,3 +115,26 @@ class Attention(nn.Module):
             logits_soft_cap=self.logits_soft_cap,
         )
         return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _bidirectional(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D]; sequence i is rows bounds[i]:bounds[i + 1]
+        -> [T, Hq, D]. Scores in float32 (soft-capped where the model is)."""
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        for start, end in itertools.pairwise(bounds):
+            length = end - start
+            qs = q[start:end].transpose(0, 1).float()  # [Hq, L, D]
+            ks = k[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
+            vs = v[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
+            scores = torch.bmm(qs * self.scale, ks.transpose(1, 2))  # [Hq, L, L]
+            if self.logits_soft_cap:
+                scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+            if self.reach is not None and length > self.reach + 1:
+                index = torch.arange(length, device=q.device)
+                far = (index[:, None] - index[None, :]).abs() > self.reach
+                scores = scores.masked_fill(far, float("-inf"))
+            attended = torch.bmm(F.softmax(scores, dim=-1), vs)  # [Hq, L, D]
+            out[start:end] = attended.transpose(0, 1).to(out.dtype)
+        return out

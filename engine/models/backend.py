@@ -44,6 +44,7 @@ FEATURES: dict[str, str] = {
     "linear_bias": "biases on the attention or MLP linears (Qwen2)",
     "fused_checkpoint_linears": "checkpoint linears that hold q|k|v or gate|up (Phi-3)",
     "moe": "a mixture of experts MLP (Qwen3-MoE)",
+    "bidirectional": "attention without a causal mask or KV cache (EmbeddingGemma)",
 }
 
 
@@ -64,6 +65,7 @@ def model_features(cfg: ModelConfig, family: frozenset[str] = frozenset()) -> fr
         "rope_scaling": cfg.rope_scaling is not None or cfg.local_rope_scaling is not None,
         "linear_bias": cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias,
         "moe": cfg.num_experts > 0,
+        "bidirectional": not cfg.causal,
     }
     features.update(name for name, needed in flags.items() if needed)
     unknown = features - FEATURES.keys()
@@ -100,8 +102,9 @@ class Backend:
         return [f"{m} ({FEATURES[m]})" for m in sorted(features - self.stack)]
 
 
-# What the CPU fast path's C++ decoder stack runs (kernels/csrc/decoder.cpp): everything.
-CPU_STACK = ALL_FEATURES
+# What the CPU fast path's C++ decoder stack runs (kernels/csrc/decoder.cpp): everything a
+# decoder needs (its attention reads and writes the paged KV cache).
+CPU_STACK = ALL_FEATURES - {"bidirectional"}
 
 
 def backend_for(

@@ -95,8 +95,9 @@ def parse_gemma2_config(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def parse_gemma3_config(cfg: dict[str, Any]) -> ModelConfig:
-    """Gemma3ForCausalLM (1B, 270M), or the text model of Gemma3ForConditionalGeneration
-    (4B-27B: its config nests the text model's fields under `text_config`)."""
+    """Gemma3ForCausalLM (1B, 270M), the text model of Gemma3ForConditionalGeneration
+    (4B-27B: its config nests the text model's fields under `text_config`), or
+    Gemma3TextModel (EmbeddingGemma: `use_bidirectional_attention`, an encoder)."""
     architecture = (cfg.get("architectures") or ["Gemma3ForCausalLM"])[0]
     text = dict(cfg.get("text_config") or cfg)
     if "eos_token_id" not in text and "eos_token_id" in cfg:
@@ -122,7 +123,10 @@ def parse_gemma3_config(cfg: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(
             text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
         ),
+        causal=not text.get("use_bidirectional_attention", False),
     )
+    if architecture == "Gemma3TextModel":  # no LM head in the checkpoint: Gemma's tied one
+        fields["tie_word_embeddings"] = True
     return ModelConfig(**fields)
 
 
@@ -206,6 +210,16 @@ class Gemma2ForCausalLM(_Gemma):
 
 class Gemma3ForCausalLM(_Gemma):
     """Gemma 3 text models (270M, 1B)."""
+
+
+class Gemma3TextModel(_Gemma):
+    """A Gemma 3 text model without its LM head, as embedding checkpoints hold it
+    (EmbeddingGemma): tensors named without the `model.` prefix."""
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if not name.startswith("model."):
+            name = "model." + name
+        return super().checkpoint_name(name)
 
 
 class Gemma3ForConditionalGeneration(_Gemma):

@@ -28,6 +28,7 @@ from .gemma import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
+    Gemma3TextModel,
     parse_gemma2_config,
     parse_gemma3_config,
 )
@@ -53,6 +54,9 @@ _FAMILIES: dict[str, ModelFamily] = {
     "Gemma3ForConditionalGeneration": ModelFamily(
         parse_gemma3_config, Gemma3ForConditionalGeneration
     ),
+    # Gemma 3 without its head: EmbeddingGemma (bidirectional, an encoder), or a decoder
+    # used as an embedder.
+    "Gemma3TextModel": ModelFamily(parse_gemma3_config, Gemma3TextModel),
     "Phi3ForCausalLM": ModelFamily(parse_phi3_config, Phi3ForCausalLM),
     # Encoders: embedding models only (ModelConfig.causal is False).
     **{arch: ModelFamily(parse_bert_config, BertEncoder) for arch in BERT_ARCHITECTURES},
