@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.sliding_window = cfg.layer_sliding_window(layer)
         self.logits_soft_cap = cfg.attn_logit_softcap
         self.causal = cfg.causal
+        self.fused = fused
         # Bidirectional sliding layers: transformers' Gemma3TextConfig reads a window W as
         # reaching W // 2 tokens to either side (|i - j| < W // 2 + 1).
         self.reach = None
@@ -120,21 +121,57 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D]; sequence i is rows bounds[i]:bounds[i + 1]
-        -> [T, Hq, D]. Scores in float32 (soft-capped where the model is)."""
-        out = torch.empty_like(q)
+        -> [T, Hq, D]. Scores in float32 (soft-capped where the model is).
+
+        On the fast path a sequence that needs no mask (a full layer, or one no longer than
+        a sliding layer's reach) runs the C++ encoder attention (kernels/csrc/encoder.cpp),
+        the others torch: chosen per sequence, so that a text's bits do not depend on what
+        it is batched with."""
         group = self.num_heads // self.num_kv_heads
-        for start, end in itertools.pairwise(bounds):
-            length = end - start
-            qs = q[start:end].transpose(0, 1).float()  # [Hq, L, D]
-            ks = k[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
-            vs = v[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
-            scores = torch.bmm(qs * self.scale, ks.transpose(1, 2))  # [Hq, L, L]
-            if self.logits_soft_cap:
-                scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
-            if self.reach is not None and length > self.reach + 1:
-                index = torch.arange(length, device=q.device)
-                far = (index[:, None] - index[None, :]).abs() > self.reach
-                scores = scores.masked_fill(far, float("-inf"))
-            attended = torch.bmm(F.softmax(scores, dim=-1), vs)  # [Hq, L, D]
-            out[start:end] = attended.transpose(0, 1).to(out.dtype)
+        pairs = list(itertools.pairwise(bounds))
+        fits = [self._unmasked_kernel(end - start, q) for start, end in pairs]
+        if all(fits):  # one call for the step (the same bits as one call a sequence)
+            return self._kernel_attention(q, k, v, bounds, group)
+        out = torch.empty_like(q)
+        for (start, end), fit in zip(pairs, fits, strict=True):
+            rows = slice(start, end)
+            if fit:
+                out[rows] = self._kernel_attention(
+                    q[rows], k[rows], v[rows], [0, end - start], group
+                )
+            else:
+                out[rows] = self._torch_attention(q[rows], k[rows], v[rows], group)
         return out
+
+    def _unmasked_kernel(self, length: int, q: torch.Tensor) -> bool:
+        """Whether a sequence of `length` runs the C++ encoder attention."""
+        unmasked = self.reach is None or length <= self.reach + 1
+        return self.fused and unmasked and not self.logits_soft_cap and q.dtype == torch.float32
+
+    def _kernel_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], group: int
+    ) -> torch.Tensor:
+        """The C++ op takes [T, 3, H, D]: k and v repeated up to q's heads."""
+        qkv = torch.stack(
+            (q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)), dim=1
+        )
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int64)
+        return torch.ops.pagedllm.encoder_attention(qkv, cu_seqlens, self.scale)
+
+    def _torch_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int
+    ) -> torch.Tensor:
+        """One sequence: q [L, Hq, D], k and v [L, Hkv, D] -> [L, Hq, D]."""
+        length = q.shape[0]
+        qs = q.transpose(0, 1).float()  # [Hq, L, D]
+        ks = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        vs = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        scores = torch.bmm(qs * self.scale, ks.transpose(1, 2))  # [Hq, L, L]
+        if self.logits_soft_cap:
+            scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+        if self.reach is not None and length > self.reach + 1:
+            index = torch.arange(length, device=q.device)
+            far = (index[:, None] - index[None, :]).abs() > self.reach
+            scores = scores.masked_fill(far, float("-inf"))
+        attended = torch.bmm(F.softmax(scores, dim=-1), vs)  # [Hq, L, D]
+        return attended.transpose(0, 1).to(q.dtype)
