@@ -200,13 +200,15 @@ def convert_gguf(source: Path, out: Path) -> Path:
     return out
 
 
-def llama_embedding(binaries: Path, gguf: Path, texts: list[str], threads: int) -> float:
-    """Seconds of llama-embedding's prompt evaluation for `texts` (one per line)."""
+def run_llama_embedding(
+    binaries: Path, gguf: Path, texts: list[str], threads: int
+) -> subprocess.CompletedProcess:
+    """`llama-embedding` over `texts` (one per line): mean pooling, normalized, the vectors
+    printed as a JSON array; its log on stderr."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:
         handle.write("\n".join(texts) + "\n")
-    started = time.perf_counter()
     try:
-        done = subprocess.run(
+        return subprocess.run(
             [str(binaries / "llama-embedding"), "-m", str(gguf), "-f", handle.name,
              "-t", str(threads), "-c", "4096", "-b", "4096", "-ub", "4096", "-np", "64",
              "--pooling", "mean", "--embd-normalize", "2", "--embd-output-format", "array",
@@ -215,6 +217,12 @@ def llama_embedding(binaries: Path, gguf: Path, texts: list[str], threads: int) 
         )  # fmt: skip
     finally:
         os.unlink(handle.name)
+
+
+def llama_embedding(binaries: Path, gguf: Path, texts: list[str], threads: int) -> float:
+    """Seconds of llama-embedding's prompt evaluation for `texts` (one per line)."""
+    started = time.perf_counter()
+    done = run_llama_embedding(binaries, gguf, texts, threads)
     wall = time.perf_counter() - started
     # Its log lines start with the time since it started (minutes.seconds.ms.us): the
     # first batch_decode line ends the loading, which is left out.

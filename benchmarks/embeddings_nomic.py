@@ -63,18 +63,7 @@ def llama_vectors(binaries: Path, gguf: Path, texts: list[str], threads: int):
     """llama-embedding's normalized mean-pooled vectors [len(texts), hidden]."""
     import torch
 
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:
-        handle.write("\n".join(texts) + "\n")
-    try:
-        done = subprocess.run(
-            [str(binaries / "llama-embedding"), "-m", str(gguf), "-f", handle.name,
-             "-t", str(threads), "-c", "4096", "-b", "4096", "-ub", "4096", "-np", "64",
-             "--pooling", "mean", "--embd-normalize", "2", "--embd-output-format", "array",
-             "--no-warmup"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-    finally:
-        os.unlink(handle.name)
+    done = common.run_llama_embedding(binaries, gguf, texts, threads)
     return torch.tensor(json.loads(done.stdout[done.stdout.index("[") :]))
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-DEFAULT_EMBEDDING_CPU_SHARE = 0.25
+DEFAULT_EMBEDDING_CPU_SHARE = 0.2
 
 _lock = threading.Lock()
 _generating: set[int] = set()  # id() of the generation engines with requests in flight
