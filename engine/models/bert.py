@@ -134,8 +134,8 @@ def parse_nomic_bert_config(cfg: dict[str, Any]) -> ModelConfig:
     """nomic-ai's NomicBertModel config.json (GPT-2 style names: n_embd, n_layer, ...).
 
     What it may say and pagedllm does not run is refused: pre-norm layers, a share of each
-    head rotated, interleaved rotary, biases on some linears and not others, the MoE
-    variant (nomic-embed-text-v2-moe). The context is 2,048 tokens where the file says
+    head rotated, interleaved rotary, biases (v1 / v1.5 have none), the MoE variant
+    (nomic-embed-text-v2-moe). The context is 2,048 tokens where the file says
     8,192 positions and 2,048 trained ones (nomic-embed-text v1 / v1.5, as llama.cpp's
     converter and Ollama run them; beyond that nomic's code scales rotary dynamically).
     """
