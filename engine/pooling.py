@@ -37,7 +37,8 @@ _ST_UNSUPPORTED = (
     "pooling_mode_mean_sqrt_len_tokens",
     "pooling_mode_weightedmean_tokens",
 )
-# sentence-transformers' Dense activations (its default is Tanh) -> in place on a vector
+# sentence-transformers' Dense activations (its default is Tanh) -> the function applied to
+# a projected vector (None: none)
 _DENSE_ACTIVATIONS = {
     "Identity": None,
     "Tanh": torch.tanh,
