@@ -367,9 +367,14 @@ def main() -> int:
     if args.mixed:
         report["mixed"] = run_worker("mixed", args)
     print_table(report)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.json, report)
     return 0
+
+
+def write_report(path: str, report: dict) -> None:
+    """The run's figures as JSON at `path` (its folder made if missing)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _cpu() -> str:

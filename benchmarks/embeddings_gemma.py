@@ -140,8 +140,7 @@ def main() -> int:
         print(f"{label:<24}{entry['docs_per_s']:>8.2f} docs/s{entry['query_ms']:>9.1f} ms a query")
     ratio = report["pagedllm"]["docs_per_s"] / report["st"]["docs_per_s"]
     print(f"pagedllm / sentence-transformers: {ratio:.2f}x docs/s")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    common.write_report(args.json, report)
     return 0
 
 

@@ -134,8 +134,7 @@ def main() -> int:
         print(f"{name:<12}{entry['docs_per_s']:>10.2f}{query:>10}{entry['http_query_ms']:>15.2f}")
     ratio = report["pagedllm"]["docs_per_s"] / report["llama.cpp"]["docs_per_s"]
     print(f"pagedllm / llama.cpp: {ratio:.2f}x docs/s")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    common.write_report(args.json, report)
     return 0
 
 

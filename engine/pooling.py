@@ -32,6 +32,8 @@ _ST_MODES = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_lasttoken": "last",
 }
+# sentence-transformers 6 writes {"pooling_mode": "mean"} instead of the flags above
+_ST6_MODES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
 _ST_UNSUPPORTED = (
     "pooling_mode_max_tokens",
     "pooling_mode_mean_sqrt_len_tokens",
@@ -209,11 +211,8 @@ def _pooling_mode(path: Path) -> str:
     modes = [mode for key, mode in _ST_MODES.items() if settings.get(key)]
     named = settings.get("pooling_mode")  # sentence-transformers 6: one name, or several
     for name in [named] if isinstance(named, str) else named or []:
-        key = f"pooling_mode_{name}" if name != "mean" else "pooling_mode_mean_tokens"
-        if key == "pooling_mode_cls":
-            key = "pooling_mode_cls_token"
-        if key in _ST_MODES:
-            modes.append(_ST_MODES[key])
+        if name in _ST6_MODES:
+            modes.append(_ST6_MODES[name])
         else:
             unsupported.append(str(name))
     if unsupported or len(modes) != 1:
