@@ -79,7 +79,7 @@ def perplexity(engine: LLMEngine, text: str, window: int) -> float:
 def greedy(engine: LLMEngine, tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for index, prompt in enumerate(PROMPTS):
-        engine.add_group(engine.inputs.process_inputs(prompt, params, request_id=str(index)))
+        engine.add_request(engine.inputs.process_inputs(prompt, params, request_id=str(index)))
     finished: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -30,8 +30,9 @@ from typing import Any
 from . import cpu_share
 from .client import DEFAULT_STALL_SECONDS, EngineClient
 from .config import EngineConfig
+from .engine_request import EngineRequest
 from .heap import release_freed_memory
-from .llm_engine import LLMEngine, RequestGroup
+from .llm_engine import LLMEngine
 from .metrics import SchedulerStats
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -172,33 +173,33 @@ class AsyncEngine(EngineClient):
     # ---------------------------------------------------------------- requests
     def submit(
         self,
-        group: RequestGroup,
+        request: EngineRequest,
         loop: asyncio.AbstractEventLoop | None = None,
         sink: queue.Queue | None = None,
     ) -> RequestStream:
         """Submit a request already made by `process_inputs` (validated, tokenized)."""
-        return self.submit_many([group], loop=loop, sink=sink)[0]
+        return self.submit_many([request], loop=loop, sink=sink)[0]
 
     def submit_many(
         self,
-        groups: list[RequestGroup],
+        requests: list[EngineRequest],
         loop: asyncio.AbstractEventLoop | None = None,
         sink: queue.Queue | None = None,
     ) -> list[RequestStream]:
         """Submit requests together: the engine adds every one of them before its next step,
         so the scheduler sees the whole batch at once (priorities hold from the first step)."""
-        streams = [RequestStream(group.request_id, loop=loop, sink=sink) for group in groups]
+        streams = [RequestStream(r.request_id, loop=loop, sink=sink) for r in requests]
         with self._lock:
             if self._stopped or self._dead:
                 raise EngineDeadError("the engine has been shut down or its thread died")
             seen: set[str] = set()  # a set: LLM.generate may hand over thousands at once
-            for group in groups:
-                if group.request_id in self._streams or group.request_id in seen:
-                    raise ValueError(f"request id {group.request_id!r} is already in flight")
-                seen.add(group.request_id)
+            for request in requests:
+                if request.request_id in self._streams or request.request_id in seen:
+                    raise ValueError(f"request id {request.request_id!r} is already in flight")
+                seen.add(request.request_id)
             for stream in streams:
                 self._streams[stream.request_id] = stream
-        self._send("add", groups)
+        self._send("add", requests)
         return streams
 
     def abort(self, request_id: str) -> None:
@@ -222,9 +223,9 @@ class AsyncEngine(EngineClient):
         params = SamplingParams(
             temperature=0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY
         )
-        group = self.process_inputs(prompt, params, cache_salt=cache_salt)
-        saved = self.call(lambda: self.engine.save_prefix(group.children[0]))
-        output = self.submit(group).result()
+        request = self.process_inputs(prompt, params, cache_salt=cache_salt)
+        saved = self.call(lambda: self.engine.save_prefix(request.request_id))
+        output = self.submit(request).result()
         if output.outputs[0].finish_reason == "abort":
             return 0
         return saved.result()
@@ -318,8 +319,8 @@ class AsyncEngine(EngineClient):
             if kind == "stop":
                 return False
             if kind == "add":
-                for group in payload:
-                    self._add(group)
+                for request in payload:
+                    self._add(request)
             elif kind == "abort":
                 output = self.engine.abort_request(payload)
                 if output is not None:
@@ -331,11 +332,11 @@ class AsyncEngine(EngineClient):
             except queue.Empty:
                 return True
 
-    def _add(self, group) -> None:
+    def _add(self, request: EngineRequest) -> None:
         try:
-            self.engine.add_group(group)
+            self.engine.add_request(request)
         except Exception as error:
-            stream = self._pop_stream(group.request_id)
+            stream = self._pop_stream(request.request_id)
             if stream is not None:
                 stream.put(error)
 

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .engine_request import EngineRequest
 from .model_info import ModelInfo, PromptType
 
 if TYPE_CHECKING:
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .input_processor import InputProcessor
     from .metrics import SchedulerStats
-    from .output_processor import RequestGroup
     from .outputs import EmbeddingRequestOutput, RequestOutput
     from .pooling import PoolingParams
     from .sampling_params import SamplingParams
@@ -64,6 +64,11 @@ class EngineClient(ABC):
     def max_model_len(self) -> int:
         return self._inputs.info.max_model_len
 
+    @property
+    def grammar_compiles(self) -> int:
+        """Constraints compiled by this client's input processor so far (cache misses)."""
+        return self._inputs.grammar_compiles
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -77,9 +82,9 @@ class EngineClient(ABC):
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> RequestGroup:
-        """Tokenize and validate a request on the caller's thread (ValueError when bad);
-        hand the result to `submit`."""
+    ) -> EngineRequest:
+        """Tokenize and validate a request on the caller's thread (ValueError when bad; a
+        constraint's grammar is compiled here); hand the frozen result to `submit`."""
         return self._inputs.process_inputs(prompt, params, request_id, priority, cache_salt)
 
     def add_request(
@@ -93,8 +98,8 @@ class EngineClient(ABC):
         sink: queue.Queue | None = None,
     ) -> RequestStream:
         """Submit a request from any thread. Bad input raises ValueError here, in the caller."""
-        group = self.process_inputs(prompt, params, request_id, priority, cache_salt)
-        return self.submit(group, loop=loop, sink=sink)
+        request = self.process_inputs(prompt, params, request_id, priority, cache_salt)
+        return self.submit(request, loop=loop, sink=sink)
 
     async def generate(
         self: Any,
@@ -137,7 +142,7 @@ class EngineClient(ABC):
         prompts: list[PromptType],
         params: PoolingParams | None = None,
         priority: int = 0,
-    ) -> list[RequestGroup]:
+    ) -> list[EngineRequest]:
         """Tokenize and validate embedding requests on the caller's thread (ValueError
         naming the first bad input; nothing is made unless all are good)."""
         return self._inputs.process_embedding_batch(list(prompts), params, priority)
@@ -151,9 +156,9 @@ class EngineClient(ABC):
         """Embed prompts on this thread, all submitted at once (the scheduler batches
         them); outputs in the prompts' order. A request the engine failed raises
         RequestError; if this call is interrupted, the requests still running are aborted."""
-        groups = self.process_embedding_inputs(prompts, params, priority)
+        requests = self.process_embedding_inputs(prompts, params, priority)
         done: queue.Queue = queue.Queue()
-        streams = self.submit_many(groups, sink=done)
+        streams = self.submit_many(requests, sink=done)
         results: dict[str, Any] = {}
         try:
             while len(results) < len(streams):
@@ -178,12 +183,12 @@ class EngineClient(ABC):
         loop = asyncio.get_running_loop()
         prompts = list(prompts)
         if len(prompts) > 8:  # tokenizing a long list would hold the loop
-            groups = await asyncio.to_thread(
+            requests = await asyncio.to_thread(
                 self.process_embedding_inputs, prompts, params, priority
             )
         else:
-            groups = self.process_embedding_inputs(prompts, params, priority)
-        streams = self.submit_many(groups, loop=loop)
+            requests = self.process_embedding_inputs(prompts, params, priority)
+        streams = self.submit_many(requests, loop=loop)
 
         async def final(stream: RequestStream) -> Any:
             last = None
@@ -227,17 +232,18 @@ class EngineClient(ABC):
     @abstractmethod
     def submit(
         self,
-        group: RequestGroup,
+        request: EngineRequest,
         loop: asyncio.AbstractEventLoop | None = None,
         sink: queue.Queue | None = None,
     ) -> RequestStream:
-        """Submit a request made by `process_inputs`; its outputs come on the stream (an
-        asyncio one when `loop` is given; into `sink` when given)."""
+        """Submit a request made by `process_inputs` (the same object, as it is: the engine
+        builds its own state for it); its outputs come on the stream (an asyncio one when
+        `loop` is given; into `sink` when given)."""
 
     @abstractmethod
     def submit_many(
         self,
-        groups: list[RequestGroup],
+        requests: list[EngineRequest],
         loop: asyncio.AbstractEventLoop | None = None,
         sink: queue.Queue | None = None,
     ) -> list[RequestStream]:

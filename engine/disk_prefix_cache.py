@@ -3,7 +3,7 @@
 With `prefix_cache_dir` set, the in-memory prefix cache (engine/kv_cache_manager.py) gets
 a second level. Everything runs on the engine thread except the file writes:
 
-    LLMEngine.add_group(group)           before the request is ever scheduled
+    LLMEngine.add_request(request)       before the request is ever scheduled
       DiskPrefixCache.load(request)      its prompt's full blocks, in chain order: those in
                                          memory are skipped; from the first that is not, each
                                          one found on disk is read and checked (prefix_store)
@@ -277,10 +277,11 @@ class DiskPrefixCache:
                 continue
             written.add_done_callback(lambda done, f=future, t=tokens: _chain(done, f, t))  # type: ignore[misc]
 
-    def save_when_computed(self, request: Request) -> Future:
+    def save_when_computed(self, request: Request, future: Future | None = None) -> Future:
         """Save `request`'s prompt (see `save`) right after the step that computes it, while
-        its blocks are certainly cached. The future gives its tokens now on disk."""
-        future: Future = Future()
+        its blocks are certainly cached. The future (`future`, or a new one) gives its
+        tokens now on disk."""
+        future = Future() if future is None else future
         self._saves.append((request, future))
         return future
 

@@ -1,4 +1,4 @@
-"""Embedding requests in: tokenize, validate and build the engine's `RequestGroup` (any
+"""Embedding requests in: tokenize, validate and make the frozen `EngineRequest` (any
 thread), as `InputProcessor.process_inputs` does for generation requests.
 
 Truncation: a prompt longer than the model's limit (max_model_len) is a ValueError unless
@@ -11,22 +11,15 @@ keep their first `max_model_len`.
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
-from .model_info import ModelInfo, PromptType
-from .output_processor import RequestGroup
-from .pooling import PoolingParams, PoolingState, check_dimensions
-from .request import Request
+from .engine_request import EngineRequest
+from .model_info import ModelInfo, PromptType, check_in_vocabulary, prompt_text_or_ids
+from .pooling import PoolingParams, check_dimensions
 from .request_limits import check_text
-from .sampling_params import RequestOutputKind, SamplingParams
-
-# What an embedding request carries in place of sampling settings (it samples nothing).
-_NO_SAMPLING = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-def make_embedding_group(
+def make_embedding_request(
     tokenizer: Any,
     info: ModelInfo,
     prompt: PromptType,
@@ -34,7 +27,7 @@ def make_embedding_group(
     request_id: str | None,
     priority: int,
     token_ids: list[int] | None = None,
-) -> RequestGroup:
+) -> EngineRequest:
     """One validated embedding request; ValueError saying what is wrong when it is bad.
     `token_ids`: a text prompt's tokens, when they were made already."""
     if "embed" not in info.tasks:
@@ -48,32 +41,17 @@ def make_embedding_group(
     pooler = info.pooler
     check_dimensions(params, pooler, info.embedding_size, info.name)
     text, token_ids = _tokenize(tokenizer, info, prompt, params.truncate, token_ids)
-    bad = [t for t in token_ids if not 0 <= t < info.vocab_size]
-    if bad:
-        raise ValueError(
-            f"token ids {bad[:5]} are outside the vocabulary (0..{info.vocab_size - 1})"
-        )
-    request_id = request_id or uuid.uuid4().hex
-    now = time.monotonic()
-    request = Request(
-        request_id=request_id,
-        prompt_token_ids=token_ids,
-        sampling_params=_NO_SAMPLING,
-        priority=priority,
-        arrival_time=now,
-        parent_id=request_id,
-        pooling=PoolingState(params, pooler.pooling_type, pooler.normalize, pooler.dense),
-    )
-    return RequestGroup(request_id, text, token_ids, _NO_SAMPLING, [request], now, sent=[(0, 0)])
+    check_in_vocabulary(token_ids, info.vocab_size)
+    return EngineRequest.new(text, token_ids, params, request_id, priority=priority)
 
 
-def make_embedding_groups(
+def make_embedding_requests(
     tokenizer: Any,
     info: ModelInfo,
     prompts: list[PromptType],
     params: PoolingParams | None,
     priority: int = 0,
-) -> list[RequestGroup]:
+) -> list[EngineRequest]:
     """Many embedding requests at once; the texts among them are tokenized in one call (the
     tokenizer's batch encoding is several times faster than one call per text). A bad
     input is a ValueError naming its index; nothing is made unless every input is good."""
@@ -91,18 +69,18 @@ def make_embedding_groups(
         truncate = params is not None and params.truncate
         kwargs = dict(truncation=True, max_length=info.max_model_len) if truncate else {}
         encoded = dict(zip(texts, tokenizer(texts, **kwargs).input_ids))
-    groups = []
+    requests = []
     for index, prompt in enumerate(prompts):
         try:
             given = encoded.get(prompt) if isinstance(prompt, str) else None
-            groups.append(
-                make_embedding_group(
+            requests.append(
+                make_embedding_request(
                     tokenizer, info, prompt, params, None, priority, token_ids=given
                 )
             )
         except ValueError as error:
             raise ValueError(f"input {index}: {error}") from None
-    return groups
+    return requests
 
 
 def _tokenize(
@@ -116,13 +94,7 @@ def _tokenize(
     if isinstance(prompt, str) and prompt and token_ids is not None:  # tokenized in a batch
         _check_length(len(token_ids), limit)
         return prompt, list(token_ids)
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            prompt = list(prompt["prompt_token_ids"])
-        elif "prompt" in prompt:
-            prompt = prompt["prompt"]
-        else:
-            raise ValueError("a dict input needs 'prompt' or 'prompt_token_ids'")
+    prompt = prompt_text_or_ids(prompt, "input")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the input is an empty string: give some text to embed")
@@ -133,19 +105,11 @@ def _tokenize(
             ids = tokenizer(prompt).input_ids
         _check_length(len(ids), limit)
         return prompt, list(ids)
-    if isinstance(prompt, list | tuple) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("the input is an empty list of token ids: give at least one")
-        if truncate:
-            ids = ids[:limit]
-        _check_length(len(ids), limit)
-        return None, ids
-    raise ValueError(
-        f"an input must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
-    )
+    if not prompt:
+        raise ValueError("the input is an empty list of token ids: give at least one")
+    ids = prompt[:limit] if truncate else prompt
+    _check_length(len(ids), limit)
+    return None, ids
 
 
 def _check_length(num_tokens: int, limit: int) -> None:

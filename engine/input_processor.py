@@ -1,37 +1,32 @@
-"""Requests in: tokenize, validate and build the engine's `RequestGroup` (any thread).
+"""Requests in: tokenize, validate and make the frozen `EngineRequest` (any thread).
 
 This is the half of the engine a caller runs on its own thread, so a bad request fails
-there with a ValueError, before it reaches the engine thread. It needs the tokenizer and a
-few facts about the model (`ModelInfo`), not the model itself: the in-process engine and
-the Ray replica engine (whose model lives in other processes) both use it.
+there with a ValueError, before it reaches the engine thread; a constraint's grammar is
+compiled here, once. It needs the tokenizer and a few facts about the model (`ModelInfo`),
+not the model itself: the in-process engine and the Ray replica engine (whose model lives
+in other processes) both use it. The engine thread builds its own live state for what it
+receives (`engine/request_state.py`).
 """
 
 from __future__ import annotations
 
 import threading
-import time
-import uuid
 from typing import Any
 
-import torch
-
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
-from .embedding_inputs import make_embedding_group, make_embedding_groups
-from .model_info import ModelInfo, PromptType
-from .output_processor import RequestGroup
+from .embedding_inputs import make_embedding_request, make_embedding_requests
+from .engine_request import EngineRequest
+from .model_info import ModelInfo, PromptType, check_in_vocabulary, prompt_text_or_ids
 from .pooling import PoolingParams
-from .request import Request
 from .request_limits import check_text
 from .sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any, info: ModelInfo, device: torch.device):
+    def __init__(self, config: EngineConfig, tokenizer: Any, info: ModelInfo):
         self.config = config
         self.tokenizer = tokenizer
         self.info = info
-        self.device = device  # where seeded requests' generators live
         self._structured = None
         self._structured_lock = threading.Lock()
 
@@ -42,7 +37,7 @@ class InputProcessor:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> RequestGroup:
+    ) -> EngineRequest:
         """Tokenize and validate one request (any thread); raises ValueError when it is bad.
 
         With no params, the model's generation defaults (generation_config.json) apply on
@@ -74,56 +69,20 @@ class InputProcessor:
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {max_model_len}; "
                 "the prompt and at least one generated token must fit"
             )
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})"
-            )
+        check_in_vocabulary(token_ids, vocab_size)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(
                 f"logprobs {params.logprobs} exceeds max_logprobs {self.config.max_logprobs}"
             )
         self._check_token_ids(params, vocab_size)
         params = params.clone(_eos_token_ids=self.info.eos_token_ids)
-        compiled = None
+        grammar = None
         if params.structured_outputs is not None:
-            compiled = self.structured_outputs.compile(params.structured_outputs)
-        request_id = request_id or uuid.uuid4().hex
-        now = time.monotonic()
-        children = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            seed = None if params.seed is None else params.seed + index
-            generator = None
-            if seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed)
-            child = Request(
-                request_id=child_id,
-                prompt_token_ids=token_ids,
-                sampling_params=params,
-                priority=priority,
-                cache_salt=cache_salt,
-                arrival_time=now,
-                parent_id=request_id,
-                sample_index=index,
-                generator=generator,
-                logprobs=[] if params.logprobs is not None else None,
-            )
-            child.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                stop=list(params.stop or []),
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-            if compiled is not None:
-                child.structured = self.structured_outputs.new_matcher(compiled)
-            children.append(child)
-        return RequestGroup(
-            request_id, text, token_ids, params, children, now, sent=[(0, 0)] * params.n
-        )
+            grammar = self.structured_outputs.compile(params.structured_outputs)
+        return EngineRequest.new(
+            text, token_ids, params, request_id, priority=priority, cache_salt=cache_salt,
+            grammar=grammar,
+        )  # fmt: skip
 
     def process_embedding_inputs(
         self,
@@ -131,15 +90,17 @@ class InputProcessor:
         params: PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> RequestGroup:
+    ) -> EngineRequest:
         """Tokenize and validate one embedding request (any thread); ValueError when bad."""
-        return make_embedding_group(self.tokenizer, self.info, prompt, params, request_id, priority)
+        return make_embedding_request(
+            self.tokenizer, self.info, prompt, params, request_id, priority
+        )
 
     def process_embedding_batch(
         self, prompts: list[PromptType], params: PoolingParams | None = None, priority: int = 0
-    ) -> list[RequestGroup]:
+    ) -> list[EngineRequest]:
         """Many embedding requests, texts tokenized together; ValueError naming a bad one."""
-        return make_embedding_groups(self.tokenizer, self.info, prompts, params, priority)
+        return make_embedding_requests(self.tokenizer, self.info, prompts, params, priority)
 
     @staticmethod
     def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
@@ -150,32 +111,16 @@ class InputProcessor:
             ("logit_bias", params.logit_bias or {}),
         ]
         for name, ids in named:
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(
-                    f"{name} token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})"
-                )
+            check_in_vocabulary(list(ids), vocab_size, f"{name} token ids")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty: give at least one token")
-            check_text(prompt, "the prompt")
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, list | tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return None, list(prompt)
-        raise ValueError(
-            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
-        )
+        prompt = prompt_text_or_ids(prompt, "prompt")
+        if not isinstance(prompt, str):
+            return None, prompt
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        check_text(prompt, "the prompt")
+        return prompt, list(self.tokenizer(prompt).input_ids)
 
     @property
     def structured_outputs(self):
@@ -188,6 +133,11 @@ class InputProcessor:
                     self.tokenizer, self.info.vocab_size, stop_token_ids=self.info.eos_token_ids
                 )
             return self._structured
+
+    @property
+    def grammar_compiles(self) -> int:
+        """Constraints compiled for this engine so far (0 before the first)."""
+        return 0 if self._structured is None else self._structured.compiles
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any

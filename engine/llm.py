@@ -57,14 +57,14 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         # Only final outputs are needed here: no per-step output objects.
         params_list = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
-        groups = [
+        requests = [
             self.engine.process_inputs(p, sp, priority=prio)
             for p, sp, prio in zip(prompt_list, params_list, priorities)
         ]
         done: queue.Queue = queue.Queue()
         streams: list[RequestStream] = []
         try:
-            streams.extend(self.engine.submit_many(groups, sink=done))
+            streams.extend(self.engine.submit_many(requests, sink=done))
             results: dict[str, RequestOutput] = {}
             with tqdm(
                 total=len(streams), desc="generate", disable=not use_tqdm, unit="req"
@@ -81,8 +81,8 @@ class LLM:
                 self.engine.abort(stream.request_id)
             raise
         ordered = [results[s.request_id] for s in streams]
-        for output, group in zip(ordered, groups):
-            output.prompt = group.prompt
+        for output, request in zip(ordered, requests):
+            output.prompt = request.prompt
             if output.error is not None:
                 raise RuntimeError(f"request {output.request_id} failed: {output.error}")
         return ordered

@@ -1,328 +1,68 @@
 """The synchronous engine core: add requests, `step()`, read outputs.
 
 It is not thread-safe by design: exactly one thread (the `AsyncEngine`'s engine thread)
-calls `add_group`, `abort_request` and `step`. Requests are tokenized and validated
+calls `add_request`, `abort_request` and `step`. Requests are tokenized and validated
 before, on the caller's thread, by `self.inputs` (an `InputProcessor`), so a bad request
-fails there, before it reaches the engine.
+fails there, before it reaches the engine; what arrives is a frozen `EngineRequest`, and
+`add_request` builds the live state that runs it (`self.request_states`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .compute_plan import choose_plan
-from .config import ContextLengthError, EngineConfig, GiB
-from .disk_prefix_cache import DiskPrefixCache
-from .executor import build_executor
-from .generation_config import generation_defaults, read_generation_config
-from .heap import release_freed_memory
-from .input_processor import InputProcessor
-from .kv_cache_manager import KVCacheManager
-from .kv_disk_tier import NO_KV_DISK, KVDiskPlan
-from .kv_sizing import ContextFit, check_blocks_hold_a_sequence, fit_cpu_context, kv_bytes_per_block
+from .config import EngineConfig
+from .engine_builder import EngineBuilder, EngineParts
+from .engine_request import EngineRequest
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
-from .model_info import ModelInfo, PromptType
-from .model_loader import load_tokenizer, read_config, resolve_model
-from .models.config import ModelConfig
-from .models.layers import LinearFactory, dense_linear
+from .model_info import PromptType
 from .output_processor import RequestGroup, finished_request_stats, make_request_output
 from .output_step import commit_step
 from .outputs import RequestOutput
-from .pooling import read_pooler_config
-from .pooling_step import finish_pooled, model_tasks
+from .pooling_step import finish_pooled
 from .request import Request, RequestStatus
 from .row_faults import sample_rows
-from .sampler import Sampler
-from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode.ngram import NgramProposer
-from .spec_decode.verifier import DraftVerifier
-from .step_budget import step_budget
-from .swap_space import SwapPlan, describe_swap
+from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "PromptType", "RequestGroup"]
+__all__ = ["EngineRequest", "LLMEngine", "PromptType"]
 
 
-class LLMEngine:
+class LLMEngine(EngineParts):
+    """The engine step loop over its parts (engine/engine_builder.py builds them)."""
+
     def __init__(self, config: EngineConfig):
-        self.config = config
-        started = time.perf_counter()
-        self.device = _resolve_device(config.device)
-        source = resolve_model(config.model, config.revision, config.download_dir)
-        self.model_name = config.served_model_name or source.name
-        self.model_folder = source.folder
-        hf_config = read_config(source.folder)
-        self.model_config = ModelConfig.from_hf_dict(hf_config)
-        self.pooler = read_pooler_config(
-            source.folder, hf_config, self.model_config.causal, config.pooler_config
-        )
-        self.plan = choose_plan(
-            self.device,
-            config.dtype,
-            config.kv_cache_dtype,
-            config.attention_backend,
-            hf_config,
-            self.model_config.torch_dtype,
-            config.tensor_parallel_size,
-        )
-        self._check_num_threads()
-        self.dtype = self.plan.dtype
-        block_size = config.block_size
-        bytes_per_block = kv_bytes_per_block(
-            self.model_config, block_size, self.plan.kv_cache_dtype, config.tensor_parallel_size
-        )
-        self.max_model_len = self._resolve_max_model_len(source.context_length)
-        kv_disk = self._kv_disk_plan(bytes_per_block)
-        fit = self._fit_context(bytes_per_block, kv_disk.blocks)
-        self.tokenizer = load_tokenizer(config.tokenizer or source.folder, config.revision)
-        # Parsing a large vocabulary's tokenizer.json peaks at hundreds of MiB (Gemma 3's:
-        # ~580): hand those pages back before the weights load, so the peaks do not add up.
-        release_freed_memory()
-        generation_config = read_generation_config(source.folder)
-        self.eos_token_ids = self._eos_token_ids(generation_config)
-        self.generation_defaults = {
-            **generation_defaults(generation_config, self.model_name),
-            **source.sampling_defaults,  # an Ollama Modelfile's PARAMETERs
-        }
-        self.executor = build_executor(
-            config,
-            source.folder,
-            hf_config,
-            self.model_config,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            self._linear_factory(hf_config, source.folder),
-            self.plan,
-        )
-        self.model = self.executor.model  # this process's model (rank 0's shard under TP)
-        self.vocab_size = self.model_config.vocab_size
-
-        encoder = not self.model_config.causal
-        self.max_num_batched_tokens = step_budget(config, self.device, self.max_model_len, encoder)
-        memory_blocks = self._determine_num_blocks(block_size, bytes_per_block, fit, kv_disk)
-        self.num_blocks = memory_blocks + kv_disk.blocks  # the pool's: memory, then disk
-        swap = SwapPlan.from_sizes(
-            config.swap_space, config.swap_disk_space, config.swap_dir, bytes_per_block
-        )
-        self.kv_cache_bytes = memory_blocks * bytes_per_block  # in memory
-        self.kv_manager = KVCacheManager(
-            self.num_blocks,
-            block_size,
-            config.enable_prefix_caching,
-            model_identity=source.origin,
-            memory_blocks=memory_blocks,
-        )
-        self.scheduler = Scheduler(
-            self.kv_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            swap=swap,
-            proposer=NgramProposer(config.speculation) if config.speculation else None,
-            encoder_only=encoder,
-        )
-        self.executor.allocate(self.num_blocks, block_size, swap, kv_disk)
-        self.disk_cache: DiskPrefixCache | None = None
-        if config.prefix_cache_dir is not None:
-            self.disk_cache = DiskPrefixCache.create(
-                config.prefix_cache_dir,
-                int(config.prefix_cache_max_gib * GiB),
-                self.kv_manager,
-                self.executor.kv_caches,
-                folder=source.folder,
-                model_name=self.model_name,
-                model=self.model,
-                model_config=self.model_config,
-                plan=self.plan,
-                device=self.device,
-            )
-        self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
-        self.verifier = DraftVerifier(self.sampler)
-        self.groups: dict[str, RequestGroup] = {}
+        super().__init__(**vars(EngineBuilder(config).build()))
+        self.groups: dict[str, RequestGroup] = {}  # user requests in flight, by id
         # Steps in a row that failed as a whole (the health check reports a wedged engine).
         self.consecutive_failed_steps = 0
         self.counters = EngineCounters()
         self.stat_loggers: list[StatLogger] = [self.counters]
         if not config.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(config.log_stats_interval))
-        self.info = ModelInfo(
-            name=self.model_name,
-            architecture=self.model_config.architecture,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            block_size=block_size,
-            generation_defaults=dict(self.generation_defaults),
-            tasks=model_tasks(config.runner, encoder, config.tensor_parallel_size),
-            embedding_size=self.pooler.embedding_size(self.model_config.hidden_size),
-            pooler=self.pooler,
-        )
-        self.inputs = InputProcessor(config, self.tokenizer, self.info, self.device)
-        self.load_time = time.perf_counter() - started
-        if encoder:
-            logger.info("%s is an embedding model: %s", self.model_name, self.pooler.describe())
-        logger.info(
-            "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB)%s, "
-            "max_model_len %d%s%s",
-            self.model_name,
-            self.plan.describe(),
-            self.model.stack_status() if hasattr(self.model, "stack_status") else "",
-            self.device,
-            self.load_time,
-            memory_blocks,
-            block_size,
-            self.kv_cache_bytes / GiB,
-            kv_disk.describe(bytes_per_block),
-            self.max_model_len,
-            fit.note,
-            describe_swap(swap, bytes_per_block),
-        )
-
-    # ------------------------------------------------------------ model setup
-    def _check_num_threads(self) -> None:
-        """num_threads sets the threads of the CPU fast path's kernels: on a GPU the CPU
-        does no such work (noted); a CPU path on torch's threads refuses it."""
-        threads = self.config.num_threads
-        if threads is None or self.plan.fused_cpu:
-            return
-        if self.device.type != "cpu":
-            logger.warning(
-                "num_threads=%d has no effect: the model runs on %s", threads, self.device
-            )
-            return
-        raise ValueError(
-            f"num_threads={threads} sets the threads of the CPU fast path's kernels, and "
-            f"this engine runs {self.plan.describe()} on torch's threads: call "
-            "torch.set_num_threads(n) instead"
-        )
-
-    def _resolve_max_model_len(self, model_default: int | None) -> int:
-        """The setting, else the model's own (an Ollama num_ctx), else its context length
-        (which `_fit_context` may lower to what the KV cache holds)."""
-        limit = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            # sentence-transformers' max_seq_length: the length the model was tuned for
-            # (all-MiniLM-L6-v2: 256 of its 512 positions).
-            trained = self.pooler.max_seq_length if not self.model_config.causal else None
-            return min(limit, trained or limit, model_default or limit)
-        if self.config.max_model_len > limit and (
-            not self.model_config.rope_scaling or not self.model_config.causal
-        ):
-            raise ContextLengthError(self.config.max_model_len, limit)
-        return self.config.max_model_len
-
-    def _kv_disk_plan(self, bytes_per_block: int) -> KVDiskPlan:
-        """The KV disk tier (kv_disk_space): a CPU decoder's, in one process."""
-        if not self.config.kv_disk_space:
-            return NO_KV_DISK
-        if self.device.type != "cpu" or not self.model_config.causal:
-            raise ValueError(
-                f"kv_disk_space is for a decoder's KV cache on a CPU; this engine runs "
-                f"{'an encoder' if not self.model_config.causal else 'on ' + str(self.device)}"
-            )
-        return KVDiskPlan.from_size(
-            self.config.kv_disk_space, self.config.swap_dir, bytes_per_block
-        )
-
-    def _fit_context(self, bytes_per_block: int, disk_blocks: int) -> ContextFit:
-        """A CPU engine's KV budget, with max_model_len lowered to it (and the KV disk
-        tier's blocks) when not set: before the model is built, as rotary tables and
-        long-context scaling follow max_model_len."""
-        config = self.config
-        if self.device.type != "cpu" or not self.model_config.causal or config.num_kv_blocks:
-            return ContextFit(self.max_model_len, 0)
-        if bytes_per_block <= 0:  # more tensor-parallel ranks than KV heads: refused with
-            return ContextFit(self.max_model_len, 0)  # its own message when ranks are built
-        fit = fit_cpu_context(
-            self.max_model_len,
-            config.max_model_len is None,
-            config.kv_cache_memory,
-            bytes_per_block,
-            config.block_size,
-            disk_blocks=disk_blocks,
-        )
-        self.max_model_len = fit.max_model_len
-        return fit
-
-    def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        eos = generation_config.get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-        return tuple(sorted(ids))
-
-    def _linear_factory(self, hf_config: dict[str, Any], folder: Path) -> LinearFactory:
-        method = (hf_config.get("quantization_config") or {}).get("quant_method")
-        if method in (None, "gguf"):  # GGUF blocks reach the linears as they are
-            if self.config.quantization == "awq":
-                raise ValueError(
-                    "quantization='awq' needs an AWQ checkpoint (quantization_config.quant_method "
-                    "'awq' in config.json); make one with `pagedllm quantize`"
-                )
-            if self.plan.fused_cpu:
-                from ..quant.packed_linear import amx_bf16_available, encoder_linear, packed_linear
-
-                if self.model_config.causal:
-                    return packed_linear
-                if amx_bf16_available():
-                    logger.info("encoder linears: dense weights on AMX-BF16 tiles")
-                return encoder_linear
-            return dense_linear
-        if method == "awq":
-            from ..quant.awq_linear import awq_linear_factory
-
-            kernel = "packed" if self.plan.fused_cpu else "auto"
-            return awq_linear_factory(
-                hf_config["quantization_config"], folder, kernel, dense_linear=dense_linear
-            )
-        raise ValueError(f"unsupported quantization method {method!r} (pagedllm runs AWQ)")
-
-    def _determine_num_blocks(
-        self, block_size: int, per_block: int, fit: ContextFit, kv_disk: KVDiskPlan
-    ) -> int:
-        """KV blocks in memory; with the disk tier's, they must hold one sequence."""
-        if not self.model_config.causal:
-            return 1  # an encoder keeps nothing between steps (the pool needs one block)
-        if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
-        elif self.device.type == "cuda":
-            tokens = min(self.max_num_batched_tokens, self.max_model_len)
-            num_blocks = self.executor.profile_num_blocks(per_block, tokens, block_size)
-        else:
-            num_blocks = fit.kv_budget_bytes // per_block
-        holds = (num_blocks + kv_disk.blocks) * block_size
-        if self.config.max_model_len is None and 0 < holds < self.max_model_len:
-            # Not set: as long as the cache holds (vLLM's estimated maximum model length).
-            logger.warning(
-                "max_model_len lowered from the model's %d to %d tokens: what the KV cache holds",
-                self.max_model_len,
-                holds,
-            )
-            self.max_model_len = holds
-        check_blocks_hold_a_sequence(num_blocks + kv_disk.blocks, block_size, self.max_model_len)
-        return int(num_blocks)
+        # save_prefix(request_id) before its request arrives: the futures its save fulfils.
+        self._saves_on_arrival: dict[str, Future] = {}
 
     # ----------------------------------------------------------- request flow
-    def add_group(self, group: RequestGroup) -> None:
-        if group.request_id in self.groups:
-            raise ValueError(f"request id {group.request_id!r} is already running")
-        self.groups[group.request_id] = group
+    def add_request(self, request: EngineRequest) -> None:
+        """Take a validated request (engine thread): build its live state and queue it."""
+        if request.request_id in self.groups:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        group = self.request_states.build(request)
+        self.groups[request.request_id] = group
         if self.disk_cache is not None:  # the siblings share the prompt, so its blocks
             self.disk_cache.load(group.children[0])
+            saved = self._saves_on_arrival.pop(request.request_id, None)
+            if saved is not None:
+                self.disk_cache.save_when_computed(group.children[0], saved)
         for child in group.children:
             self.scheduler.add_request(child)
 
@@ -518,13 +258,15 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
 
-    def save_prefix(self, request: Request) -> Future:
-        """Before `request` is added: write its prompt's full blocks to the prefix-cache
-        directory once they are computed. The future gives the tokens in them once the
-        files are written."""
+    def save_prefix(self, request_id: str) -> Future:
+        """Before the request `request_id` is added: write its prompt's full blocks to the
+        prefix-cache directory once they are computed. The future gives the tokens in them
+        once the files are written."""
         if self.disk_cache is None:
             raise ValueError("save_prefix needs a prefix-cache directory: set prefix_cache_dir")
-        return self.disk_cache.save_when_computed(request)
+        future: Future = Future()
+        self._saves_on_arrival[request_id] = future
+        return future
 
     def shutdown(self) -> None:
         """Release the model: the tensor-parallel ranks, the weights and the KV cache.
@@ -544,12 +286,3 @@ class LLMEngine:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for but CUDA is not available")
-    return resolved

@@ -7,6 +7,7 @@ layer; the boundary (client.py, `EngineClient.model_info`) hands them to the fro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,3 +34,34 @@ class ModelInfo:
     tasks: tuple[str, ...] = ("generate",)
     embedding_size: int = 0  # the length of a full embedding (the hidden size)
     pooler: Any = None  # engine/pooling.py's PoolerConfig: pooling, normalize, limits
+
+
+def prompt_text_or_ids(prompt: PromptType, noun: str = "prompt") -> str | list[int]:
+    """A prompt as its text or its token ids (a dict gives its `prompt_token_ids`, else
+    its `prompt`); ValueError for any other form. `noun` names it in the message."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError(f"a dict {noun} needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list | tuple) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        return list(prompt)
+    article = "an" if noun[0] in "aeiou" else "a"
+    raise ValueError(
+        f"{article} {noun} must be a string, a list of token ids or a dict, "
+        f"got {type(prompt).__name__}"
+    )
+
+
+def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, what: str = "token ids") -> None:
+    """ValueError naming the first ids outside 0..vocab_size - 1 (they would index past
+    the embedding table or the logits row inside a step, and fail every request in it)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")

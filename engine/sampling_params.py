@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from .request_limits import MAX_GRAMMAR_CHARS, check_grammar_text, check_schema, check_text
@@ -27,9 +28,10 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # one output, when the request ends
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class StructuredOutputsParams:
-    """One constraint on the generated text (exactly one field set).
+    """One constraint on the generated text (exactly one field set). Frozen, as the
+    request that carries it.
 
     json: a JSON schema (dict, JSON string, or a pydantic model class).
     json_object: any JSON object.
@@ -62,7 +64,7 @@ class StructuredOutputsParams:
             # one is a ValueError when the params are built.
             from .structured_outputs import schema_dict
 
-            self.json = schema_dict(self.json)
+            object.__setattr__(self, "json", schema_dict(self.json))
         if self.choice is not None and (
             not isinstance(self.choice, list | tuple)
             or not self.choice
@@ -91,12 +93,14 @@ class StructuredOutputsParams:
                 check_text(choice, "a structured_outputs.choice string")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to sample the completion of one prompt.
 
     temperature 0 means greedy. top_k 0 or -1 means the whole vocabulary. `seed` makes a
-    request reproducible whatever else shares its batch.
+    request reproducible whatever else shares its batch. Frozen: a request holds its params
+    from validation to its end, so one object may serve many requests; `clone(**changes)`
+    makes a changed copy (validated again).
     """
 
     n: int = 1
@@ -124,14 +128,16 @@ class SamplingParams:
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # The normal forms of what a caller may give loosely (set once, at construction).
+        normal = partial(object.__setattr__, self)
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop_token_ids = list(self.stop_token_ids or [])
+        normal("stop", stops)
+        normal("stop_token_ids", stop_token_ids)
         if isinstance(self.output_kind, str):
-            self.output_kind = RequestOutputKind(self.output_kind)
+            normal("output_kind", RequestOutputKind(self.output_kind))
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            normal("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         # Every number that reaches a tensor is checked for its type and range here (an int
         # beyond int64 overflows when the sampler builds its tensors; NaN passes every
         # comparison the wrong way), so a bad value fails at submission, never mid-step.
@@ -164,11 +170,11 @@ class SamplingParams:
         )
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, 20)
-        for stop in self.stop:
+        for stop in stops:
             _check(isinstance(stop, str) and bool(stop), "stop strings must be non-empty")
             check_text(stop, "a stop string")
         _check(
-            all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
+            all(_is_int(t) and 0 <= t <= INT64_MAX for t in stop_token_ids),
             "stop_token_ids must be non-negative integers",
         )
         if self.seed is not None:

@@ -115,11 +115,26 @@ def compile_limits(
 
 @dataclass(slots=True, frozen=True)
 class CompiledStructure:
-    """A compiled grammar plus the canonical key it is cached under."""
+    """A compiled grammar plus the canonical key it is cached under.
+
+    It travels inside an `EngineRequest`. Pickled (to a Ray replica) it becomes xgrammar's
+    serialized form (`serialized`, with `grammar` None), which the receiving engine turns
+    back into a grammar against its own tokenizer (`StructuredOutputManager.adopt`)
+    instead of compiling the constraint a second time.
+    """
 
     key: tuple[str, str]
-    grammar: Any  # xgrammar.CompiledGrammar
+    grammar: Any  # xgrammar.CompiledGrammar; None in a copy received from another process
     nbytes: int = 0  # its memory, as xgrammar counts it
+    serialized: str | None = field(default=None, repr=False)
+
+    def __reduce__(self) -> tuple:
+        payload = self.serialized if self.grammar is None else self.grammar.serialize_json()
+        return (_received_structure, (self.key, self.nbytes, payload))
+
+
+def _received_structure(key: tuple[str, str], nbytes: int, serialized: str) -> CompiledStructure:
+    return CompiledStructure(tuple(key), None, nbytes, serialized)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True, eq=False)
@@ -199,6 +214,7 @@ class StructuredOutputManager:
         self._cache = GrammarCache(cache_max_bytes)
         self._pending: dict[tuple[str, str], _PendingCompile] = {}
         self._lock = threading.Lock()
+        self.compiles = 0  # constraints handed to the compiler process (cache misses)
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledStructure:
         """Compile (or fetch from the cache) the grammar of one constraint.
@@ -225,6 +241,7 @@ class StructuredOutputManager:
             pending = self._pending.get(key)
             if pending is None or pending.job.future.cancelled():
                 job = self.service.submit(key[0], key[1], self.max_grammar_bytes)
+                self.compiles += 1
                 pending = self._pending[key] = _PendingCompile(job)
             pending.waiters += 1
         try:
@@ -285,6 +302,32 @@ class StructuredOutputManager:
                 with self._lock:
                     self._cache.put(pending.compiled)
             return pending.compiled
+
+    def adopt(self, compiled: CompiledStructure) -> CompiledStructure:
+        """The usable form of a compiled grammar a request brought (engine thread): itself
+        when it was compiled in this process; else the cached grammar of its key, or its
+        serialized form deserialized against this tokenizer (no compile) and cached."""
+        if compiled.grammar is not None:
+            return compiled
+        with self._lock:
+            hit = self._cache.get(compiled.key)
+        if hit is not None:
+            return hit
+        if compiled.serialized is None:
+            raise ValueError(f"the compiled {compiled.key[0]} grammar arrived without its body")
+        import xgrammar as xgr
+
+        try:
+            grammar = xgr.CompiledGrammar.deserialize_json(compiled.serialized, self.tokenizer_info)
+        except Exception as error:  # xgrammar's own types: the body is not one it wrote
+            raise ValueError(
+                f"the compiled {compiled.key[0]} grammar this request brought cannot be read "
+                f"by this engine: {_shorten(str(error))}"
+            ) from None
+        usable = CompiledStructure(compiled.key, grammar, compiled.nbytes)
+        with self._lock:
+            self._cache.put(usable)
+        return usable
 
     @property
     def cache_bytes(self) -> int:

@@ -42,7 +42,7 @@ from .chat.sampling import merge_sampling, merge_stops
 from .chat.stream import aiter_outputs, arun_all, iter_outputs, run_all
 from .engine.client import EngineClient
 from .engine.config import EngineConfig
-from .engine.output_processor import RequestGroup
+from .engine.engine_request import EngineRequest
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams
 from .langchain_embeddings import PagedEmbeddings
@@ -244,13 +244,13 @@ class PagedLLM(EngineOwner, BaseLLM):
 
     def _prepare(
         self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any], kind
-    ) -> tuple[EngineClient, list[RequestGroup], _Call]:
+    ) -> tuple[EngineClient, list[EngineRequest], _Call]:
         engine = self._get_engine()
         call = self._params(engine, stop, dict(kwargs))
         call.params = call.params.clone(output_kind=kind)
         # Validate every prompt before submitting any: a bad one fails the call, not a half.
-        groups = [engine.process_inputs(p, call.params) for p in prompts]
-        return engine, groups, call
+        requests = [engine.process_inputs(p, call.params) for p in prompts]
+        return engine, requests, call
 
     def _result(self, outputs: list[RequestOutput], call: _Call) -> LLMResult:
         generations = []
@@ -275,8 +275,8 @@ class PagedLLM(EngineOwner, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        engine, groups, call = self._prepare(prompts, stop, kwargs, RequestOutputKind.FINAL_ONLY)
-        return self._result(run_all(engine, groups, self.timeout), call)
+        engine, requests, call = self._prepare(prompts, stop, kwargs, RequestOutputKind.FINAL_ONLY)
+        return self._result(run_all(engine, requests, self.timeout), call)
 
     async def _agenerate(
         self,
@@ -286,20 +286,20 @@ class PagedLLM(EngineOwner, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         # Loading the model and tokenizing run off the event loop.
-        engine, groups, call = await asyncio.to_thread(
+        engine, requests, call = await asyncio.to_thread(
             self._prepare, prompts, stop, kwargs, RequestOutputKind.FINAL_ONLY
         )
-        return self._result(await arun_all(engine, groups, self.timeout), call)
+        return self._result(await arun_all(engine, requests, self.timeout), call)
 
     def _stream_prepare(
         self, prompt: str, stop, kwargs
-    ) -> tuple[EngineClient, RequestGroup, _Call]:
-        engine, groups, call = self._prepare([prompt], stop, kwargs, RequestOutputKind.DELTA)
+    ) -> tuple[EngineClient, EngineRequest, _Call]:
+        engine, requests, call = self._prepare([prompt], stop, kwargs, RequestOutputKind.DELTA)
         if call.params.n != 1:
             raise ValueError(
                 f"streaming returns one candidate; got n={call.n}, best_of={call.params.n}"
             )
-        return engine, groups[0], call
+        return engine, requests[0], call
 
     @staticmethod
     def _chunk(output: RequestOutput, call: _Call) -> GenerationChunk | None:
@@ -320,8 +320,8 @@ class PagedLLM(EngineOwner, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        engine, group, call = self._stream_prepare(prompt, stop, kwargs)
-        for output in iter_outputs(engine, group, self.timeout):
+        engine, request, call = self._stream_prepare(prompt, stop, kwargs)
+        for output in iter_outputs(engine, request, self.timeout):
             chunk = self._chunk(output, call)
             if chunk is None:
                 continue
@@ -336,8 +336,8 @@ class PagedLLM(EngineOwner, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        engine, group, call = await asyncio.to_thread(self._stream_prepare, prompt, stop, kwargs)
-        async for output in aiter_outputs(engine, group, self.timeout):
+        engine, request, call = await asyncio.to_thread(self._stream_prepare, prompt, stop, kwargs)
+        async for output in aiter_outputs(engine, request, self.timeout):
             chunk = self._chunk(output, call)
             if chunk is None:
                 continue

@@ -42,7 +42,7 @@ from .chat.token_count import count_chat_tokens
 from .chat.tool_choice import ToolPlan, normalize_tool_choice
 from .engine.client import EngineClient
 from .engine.config import EngineConfig
-from .engine.output_processor import RequestGroup
+from .engine.engine_request import EngineRequest
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from .langchain_messages import to_openai_messages
@@ -199,7 +199,7 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
     # ------------------------------------------------------------------ requests
     def _prepare(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], kind
-    ) -> tuple[EngineClient, RequestGroup, _ChatCall]:
+    ) -> tuple[EngineClient, EngineRequest, _ChatCall]:
         """Render the chat template, tokenize and validate (any thread; loads the engine)."""
         engine = self._get_engine()
         kwargs = dict(kwargs)
@@ -216,8 +216,8 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
             output_kind=kind,
         )
         prompt = prepare_chat(engine, to_openai_messages(messages), params, options)
-        group = engine.process_inputs(prompt.engine_prompt, prompt.params)
-        return engine, group, _ChatCall(prompt.params, prompt.plan)
+        request = engine.process_inputs(prompt.engine_prompt, prompt.params)
+        return engine, request, _ChatCall(prompt.params, prompt.plan)
 
     def _message(self, output: RequestOutput, index: int, call: _ChatCall) -> ChatGeneration:
         completion = output.outputs[index]
@@ -282,8 +282,8 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        engine, group, call = self._prepare(messages, stop, kwargs, RequestOutputKind.FINAL_ONLY)
-        (output,) = run_all(engine, [group], self.timeout)
+        engine, request, call = self._prepare(messages, stop, kwargs, RequestOutputKind.FINAL_ONLY)
+        (output,) = run_all(engine, [request], self.timeout)
         return self._result(output, call)
 
     async def _agenerate(
@@ -293,18 +293,18 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        engine, group, call = await asyncio.to_thread(
+        engine, request, call = await asyncio.to_thread(
             self._prepare, messages, stop, kwargs, RequestOutputKind.FINAL_ONLY
         )
-        (output,) = await arun_all(engine, [group], self.timeout)
+        (output,) = await arun_all(engine, [request], self.timeout)
         return self._result(output, call)
 
     # ----------------------------------------------------------------- streaming
-    def _stream_prepare(self, messages, stop, kwargs) -> tuple[EngineClient, RequestGroup, Any]:
-        engine, group, call = self._prepare(messages, stop, kwargs, RequestOutputKind.DELTA)
+    def _stream_prepare(self, messages, stop, kwargs) -> tuple[EngineClient, EngineRequest, Any]:
+        engine, request, call = self._prepare(messages, stop, kwargs, RequestOutputKind.DELTA)
         if call.params.n != 1:
             raise ValueError(f"streaming returns one candidate; got n={call.params.n}")
-        return engine, group, call
+        return engine, request, call
 
     def _chunks(self, output: RequestOutput, call: _ChatCall) -> Iterator[ChatGenerationChunk]:
         """Chunks for one engine output (DELTA text). With tools on offer, text that may be
@@ -344,8 +344,8 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        engine, group, call = self._stream_prepare(messages, stop, kwargs)
-        for output in iter_outputs(engine, group, self.timeout):
+        engine, request, call = self._stream_prepare(messages, stop, kwargs)
+        for output in iter_outputs(engine, request, self.timeout):
             for chunk in self._chunks(output, call):
                 if run_manager is not None:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -358,8 +358,10 @@ class ChatPagedLLM(EngineOwner, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        engine, group, call = await asyncio.to_thread(self._stream_prepare, messages, stop, kwargs)
-        async for output in aiter_outputs(engine, group, self.timeout):
+        engine, request, call = await asyncio.to_thread(
+            self._stream_prepare, messages, stop, kwargs
+        )
+        async for output in aiter_outputs(engine, request, self.timeout):
             for chunk in self._chunks(output, call):
                 if run_manager is not None:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)

@@ -268,8 +268,8 @@ class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
     def _start(self, request: tuple) -> tuple[Iterator[RequestOutput], CallState]:
         """Submit now (bad input raises here, in the caller); outputs as they come."""
         prompt, params, plan = request
-        group = self.engine.process_inputs(prompt, params)
-        return iter_outputs(self.engine, group, self.timeout), CallState(params, plan)
+        engine_request = self.engine.process_inputs(prompt, params)
+        return iter_outputs(self.engine, engine_request, self.timeout), CallState(params, plan)
 
     async def _astart(
         self, build: Callable[..., tuple], *args: Any
@@ -282,8 +282,8 @@ class PagedLlamaIndexLLM(EngineOwner, FunctionCallingLLM):
             prompt, params, plan = build(*args)
             return engine.process_inputs(prompt, params), CallState(params, plan)
 
-        group, call = await asyncio.to_thread(prepare)
-        return aiter_outputs(engine, group, self.timeout), call
+        engine_request, call = await asyncio.to_thread(prepare)
+        return aiter_outputs(engine, engine_request, self.timeout), call
 
     # -------------------------------------------------------------- completion
     @llm_completion_callback()

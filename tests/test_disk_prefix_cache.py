@@ -81,7 +81,8 @@ def generate(llm: LLM, prompt: list[int], **kwargs):
 def chain_files(llm: LLM, prompt: list[int], num_blocks: int) -> list[Path]:
     """The files of a prompt's first blocks, in chain order (named by their hashes)."""
     engine = core_of(llm)
-    request = llm.engine.process_inputs({"prompt_token_ids": prompt}).children[0]
+    group = engine.request_states.build(llm.engine.process_inputs({"prompt_token_ids": prompt}))
+    request = group.children[0]
     hashes = engine.kv_manager.full_block_hashes(request, num_blocks * BLOCK)
     return [engine.disk_cache.store.path_of(h) for h in hashes]
 

@@ -60,6 +60,12 @@ def test_the_contracts_hold_over_the_package(tree):
             "pagedllm_integrations.engine.scheduler_output -> "
             "pagedllm_integrations.chat.tool_calls",
         ),
+        # A front end reaching past the EngineClient boundary into the engine's live state.
+        (
+            "server/_probe_request.py",
+            "from ..engine.request import Request\n",
+            "pagedllm_integrations.server._probe_request -> pagedllm_integrations.engine.request",
+        ),
         # A model importing a weight format (the backend's factories bring those in).
         (
             "engine/models/_probe_format.py",

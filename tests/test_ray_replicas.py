@@ -137,8 +137,9 @@ def test_async_streaming_and_validation(replicas, reference):
 
 def test_structured_outputs_and_forced_tool_calls_through_replicas(replicas, tiny_llama_dir):
     """Constrained requests are compiled on the driver (issue 16: a model-less front used
-    to miss the grammar compiler's lock and raise AttributeError). Replicas must decode
-    them exactly as one in-process engine does."""
+    to miss the grammar compiler's lock and raise AttributeError), once: the replicas
+    receive the compiled grammar with the request. Replicas must decode them exactly as
+    one in-process engine does."""
     schema = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
@@ -154,7 +155,12 @@ def test_structured_outputs_and_forced_tool_calls_through_replicas(replicas, tin
     params = [
         SamplingParams(temperature=0, max_tokens=48, structured_outputs=c) for c in constraints
     ]
+    compiled_before = replicas.grammar_compiles
     got = [replicas.add_request(PROMPTS[0], p).result().outputs[0] for p in params]
+    # Each constraint compiled once, on the driver: the replicas received it compiled.
+    assert replicas.grammar_compiles - compiled_before == len(constraints)
+    replica_compiles = ray.get([r.actor.grammar_compiles.remote() for r in replicas._replicas])
+    assert replica_compiles == [0] * replicas.num_replicas
     with AsyncEngine(_config(tiny_llama_dir)) as single:
         want = [single.add_request(PROMPTS[0], p).result().outputs[0] for p in params]
     assert [g.token_ids for g in got] == [w.token_ids for w in want]

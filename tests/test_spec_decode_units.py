@@ -200,7 +200,7 @@ def test_each_row_sees_the_drafts_before_it_as_outputs():
     eos = 3
     rows = torch.tensor([[0.0, 5.0, 0.0, 10.0]] * 3)
     request = greedy_request(min_tokens=1)
-    request.sampling_params._eos_token_ids = (eos,)
+    request.sampling_params = request.sampling_params.clone(_eos_token_ids=(eos,))
     # Row 0 (no output yet) may not end: 1. Row 1 (one output: the draft) may: EOS, kept.
     assert verify(rows, [request], [[1, eos]]).token_ids == [[1, eos, eos]]
     rows = torch.tensor([[0.0, 3.0, 2.5, 0.0]] * 2)
@@ -328,7 +328,7 @@ def test_drafts_stop_at_max_tokens_and_the_context_length():
     out = scheduler.schedule()
     # 1 output of 4: the last token needs no draft, so 2 drafts (not 8).
     assert out.scheduled[0].draft_token_ids == [2, 1]
-    request.sampling_params.max_tokens = 100
+    request.sampling_params = request.sampling_params.clone(max_tokens=100)
     commit_step(scheduler, out, [[2, 1, 2]])  # both drafts kept, then one more
     assert (request.num_tokens, request.num_computed_tokens) == (10, 9)
     out = scheduler.schedule()

@@ -19,14 +19,15 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..async_engine import AsyncEngine, EngineDeadError
 from ..config import EngineConfig
+from ..engine_request import EngineRequest
 from ..metrics import IterationStats, SchedulerStats
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -89,20 +90,16 @@ class ReplicaActor:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ):
-        """Stream lists of RequestOutputs (or one ReplicaFailure) for one request."""
+    async def generate(self, request: EngineRequest):
+        """Stream lists of RequestOutputs (or one ReplicaFailure) for one request, as the
+        driver validated it: the engine builds its state from it as it is (a grammar the
+        driver compiled arrives serialized and is not compiled again)."""
         loop = asyncio.get_running_loop()
+        # Its arrival here: the driver's monotonic clock may be another machine's.
+        request = request.replace(arrival_time=time.monotonic())
+        request_id = request.request_id
         try:
-            stream = self.engine.add_request(
-                prompt, params, request_id, priority, cache_salt, loop=loop
-            )
+            stream = self.engine.submit(request, loop=loop)
         except ValueError as error:
             yield [ReplicaFailure("invalid", str(error))]
             return
@@ -150,6 +147,10 @@ class ReplicaActor:
 
     def counters(self) -> dict[str, Any]:
         return self.engine.counters.snapshot()
+
+    def grammar_compiles(self) -> int:
+        """Constraints this replica compiled itself (requests bring theirs compiled)."""
+        return self.engine.grammar_compiles
 
     # Methods that wait for the engine thread run off the actor's event loop, so that the
     # streams of the other requests keep flowing meanwhile.

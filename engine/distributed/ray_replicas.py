@@ -1,9 +1,11 @@
 """Data-parallel replicas on Ray behind the `EngineClient` surface every front end uses.
 
     caller threads / event loops
-      RayReplicaEngine.add_request -> validate + tokenize here (InputProcessor, as AsyncEngine)
+      RayReplicaEngine.add_request -> validate, tokenize, compile a grammar here (InputProcessor,
+                                      as AsyncEngine): one frozen EngineRequest
         client event-loop thread: PrefixAwareRouter picks a replica
-          ReplicaActor.generate (num_returns="streaming") -> lists of RequestOutputs
+          ReplicaActor.generate(EngineRequest) (num_returns="streaming") -> lists of
+            RequestOutputs; the replica builds its state from the request as it is
         -> the caller's RequestStream (sync or async iteration, .result())
 
 A replica that dies (actor killed, node lost) is replaced by a new actor; each request it
@@ -24,14 +26,12 @@ import queue
 import threading
 from typing import Any
 
-import torch
-
 from ..async_engine import EngineDeadError, RequestError, RequestStream
 from ..client import DEFAULT_STALL_SECONDS, EngineClient, ModelInfo
 from ..config import EngineConfig
+from ..engine_request import EngineRequest
 from ..input_processor import InputProcessor
 from ..metrics import SchedulerStats
-from ..output_processor import RequestGroup
 from .ray_actor import ReplicaActor, ReplicaFailure
 from .replica_job import ReplicaJob
 from .replica_stats import ReplicaCounters, sum_stats
@@ -142,8 +142,7 @@ class RayReplicaEngine(EngineClient):
             architecture=first.get("architecture"),
             generation_defaults=dict(first.get("generation_defaults") or {}),
         )
-        # Seeded requests' generators are made here (CPU) and travel with the request.
-        self._inputs = InputProcessor(config, tokenizer, info, torch.device("cpu"))
+        self._inputs = InputProcessor(config, tokenizer, info)
         self._stat_loggers: list = []
         self._counters = ReplicaCounters(self)
         self._loop = asyncio.new_event_loop()
@@ -218,8 +217,8 @@ class RayReplicaEngine(EngineClient):
     def num_free_blocks(self) -> int:
         return sum(self._on_replicas("num_free_blocks"))
 
-    def submit_many(self, groups, loop=None, sink=None) -> list[RequestStream]:
-        return [self.submit(group, loop=loop, sink=sink) for group in groups]
+    def submit_many(self, requests, loop=None, sink=None) -> list[RequestStream]:
+        return [self.submit(request, loop=loop, sink=sink) for request in requests]
 
     @property
     def is_running(self) -> bool:
@@ -243,27 +242,18 @@ class RayReplicaEngine(EngineClient):
     # ---------------------------------------------------------------- requests
     def submit(
         self,
-        group: RequestGroup,
+        request: EngineRequest,
         loop: asyncio.AbstractEventLoop | None = None,
         sink: queue.Queue | None = None,
     ) -> RequestStream:
-        stream = RequestStream(group.request_id, loop=loop, sink=sink)
-        first = group.children[0]
-        job = ReplicaJob(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=list(group.prompt_token_ids),
-            params=group.params,
-            priority=first.priority,
-            cache_salt=first.cache_salt,
-            stream=stream,
-        )
+        stream = RequestStream(request.request_id, loop=loop, sink=sink)
+        job = ReplicaJob(request, stream)
         with self._lock:
             if self._stopped:
                 raise EngineDeadError("the engine has been shut down")
-            if group.request_id in self._jobs:
-                raise ValueError(f"request id {group.request_id!r} is already in flight")
-            self._jobs[group.request_id] = job
+            if request.request_id in self._jobs:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            self._jobs[request.request_id] = job
         asyncio.run_coroutine_threadsafe(self._drive(job), self._loop)
         return stream
 
@@ -288,10 +278,9 @@ class RayReplicaEngine(EngineClient):
                 replica = self._replicas[index]
                 self.router.started(index, hashes)
                 job.replica, job.attempts = index, job.attempts + 1
-                prompt, params = job.inputs()
                 try:
                     refs = replica.actor.generate.options(num_returns="streaming").remote(
-                        job.request_id, prompt, params, job.priority, job.cache_salt
+                        job.next_request()
                     )
                     if job.aborted:  # aborted while it was being routed
                         replica.actor.abort.remote(job.request_id)
@@ -331,7 +320,7 @@ class RayReplicaEngine(EngineClient):
         deadline = self._loop.time() + NO_REPLICA_WAIT_S
         while True:
             try:
-                return self.router.choose(job.prompt_token_ids, job.cache_salt, exclude)
+                return self.router.choose(job.prompt_token_ids, job.request.cache_salt, exclude)
             except RuntimeError:  # every replica is down: wait for a replacement
                 self._available.clear()
                 remaining = deadline - self._loop.time()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..async_engine import RequestStream
+from ..engine_request import EngineRequest
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 
@@ -37,12 +38,7 @@ class _Seen:
 
 @dataclass(eq=False, slots=True)
 class ReplicaJob:
-    request_id: str
-    prompt: str | None  # the caller's text (None when it gave token ids)
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
+    request: EngineRequest  # as the caller's thread validated it
     stream: RequestStream
     seen: dict[int, _Seen] = field(default_factory=dict)
     base: _Seen | None = None  # set while resumed: what the new replica does not know about
@@ -51,20 +47,39 @@ class ReplicaJob:
     aborted: bool = False
     attempts: int = 0
 
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> str | None:
+        """The caller's text (None when it gave token ids)."""
+        return self.request.prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self.request.prompt_token_ids)
+
+    @property
+    def params(self) -> SamplingParams:
+        assert isinstance(self.request.params, SamplingParams)
+        return self.request.params
+
     # ------------------------------------------------------------- submission
-    def inputs(self) -> tuple[Any, SamplingParams]:
-        """Prompt and params for the next attempt (resumed when the caller has seen tokens)."""
+    def next_request(self) -> EngineRequest:
+        """The request for the next attempt: the caller's own, or, when the caller has seen
+        tokens, one that resumes after them (prompt + those tokens, the budget left)."""
         if self.base is None:
-            prompt: Any = self.prompt if self.prompt is not None else self.prompt_token_ids
-            if not isinstance(prompt, str):
-                prompt = {"prompt_token_ids": list(prompt)}
-            return prompt, self.params
+            return self.request
         done = len(self.base.token_ids)
         changes: dict[str, Any] = {"min_tokens": max(self.params.min_tokens - done, 0)}
         if self.params.max_tokens is not None:
             changes["max_tokens"] = self.params.max_tokens - done
-        prompt = {"prompt_token_ids": self.prompt_token_ids + self.base.token_ids}
-        return prompt, self.params.clone(**changes)
+        return self.request.replace(
+            prompt=None,
+            prompt_token_ids=tuple(self.prompt_token_ids + self.base.token_ids),
+            params=self.params.clone(**changes),
+        )
 
     def prepare_retry(self, tokenizer) -> str | None:
         """Set up the next attempt; a reason string when this request cannot be retried."""

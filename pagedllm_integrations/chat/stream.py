@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from ..engine.client import EngineClient
-from ..engine.output_processor import RequestGroup
+from ..engine.engine_request import EngineRequest
 from ..engine.outputs import CompletionOutput, RequestOutput
 from .outputs import ChatChoice, read_choice
 from .tool_calls import CALL_OPEN
@@ -117,19 +117,19 @@ def _deadline(timeout: float | None, expire: Callable[[], None]) -> Iterator[Non
 
 
 def iter_outputs(
-    engine: EngineClient, group: RequestGroup, timeout: float | None = None
+    engine: EngineClient, request: EngineRequest, timeout: float | None = None
 ) -> Iterator[RequestOutput]:
     """Submit one request and yield its outputs on this thread.
 
     A timeout aborts the request in the engine (freeing its KV blocks) and raises
     TimeoutError; a caller that stops iterating early aborts it too.
     """
-    stream = engine.submit(group)
+    stream = engine.submit(request)
     fired = threading.Event()
 
     def expire() -> None:
         fired.set()
-        engine.abort(group.request_id)
+        engine.abort(request.request_id)
 
     try:
         with _deadline(timeout, expire):
@@ -139,22 +139,22 @@ def iter_outputs(
                 yield output
     finally:
         if not stream.finished:
-            engine.abort(group.request_id)
+            engine.abort(request.request_id)
 
 
 async def aiter_outputs(
-    engine: EngineClient, group: RequestGroup, timeout: float | None = None
+    engine: EngineClient, request: EngineRequest, timeout: float | None = None
 ) -> AsyncIterator[RequestOutput]:
     """`iter_outputs` for an event loop: outputs arrive via call_soon_threadsafe, so the
     loop never blocks on the engine."""
     loop = asyncio.get_running_loop()
-    stream = engine.submit(group, loop=loop)
+    stream = engine.submit(request, loop=loop)
     fired = False
 
     def expire() -> None:
         nonlocal fired
         fired = True
-        engine.abort(group.request_id)
+        engine.abort(request.request_id)
 
     handle = loop.call_later(timeout, expire) if timeout else None
     try:
@@ -166,15 +166,15 @@ async def aiter_outputs(
         if handle is not None:
             handle.cancel()
         if not stream.finished:
-            engine.abort(group.request_id)
+            engine.abort(request.request_id)
 
 
 def run_all(
-    engine: EngineClient, groups: list[RequestGroup], timeout: float | None = None
+    engine: EngineClient, requests: list[EngineRequest], timeout: float | None = None
 ) -> list[RequestOutput]:
     """Submit every request before waiting on any, so the engine batches them together;
     the final output of each, in order. A timeout aborts them all and raises TimeoutError."""
-    streams = engine.submit_many(groups)
+    streams = engine.submit_many(requests)
     fired = threading.Event()
 
     def expire() -> None:
@@ -195,10 +195,10 @@ def run_all(
 
 
 async def arun_all(
-    engine: EngineClient, groups: list[RequestGroup], timeout: float | None = None
+    engine: EngineClient, requests: list[EngineRequest], timeout: float | None = None
 ) -> list[RequestOutput]:
     """`run_all` on an event loop."""
-    return list(await asyncio.gather(*(alast(aiter_outputs(engine, g, timeout)) for g in groups)))
+    return list(await asyncio.gather(*(alast(aiter_outputs(engine, r, timeout)) for r in requests)))
 
 
 def last(outputs: Iterator[RequestOutput]) -> RequestOutput:

@@ -19,7 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from ..chat.outputs import ChatChoice, Usage, read_choice
 from ..chat.prepare import ChatOptions, ChatPrompt, prepare_chat
 from ..chat.tool_formats import template_text
-from ..engine.output_processor import RequestGroup
+from ..engine.engine_request import EngineRequest
 from ..engine.request_limits import check_schema
 from .chat_stream import choice_logprobs, stream_chat
 from .errors import APIError
@@ -173,7 +173,7 @@ async def create_chat_completion(
         if body.truncate_prompt_tokens is None:
             state.prompt_bound.check(len(text), wanted, "messages")
 
-    def make_groups() -> list[RequestGroup]:
+    def make_requests() -> list[EngineRequest]:
         prompt = prepare_chat(
             state.engine, [_message_dict(m) for m in body.messages], params, options,
             add_generation_prompt=generation_prompt, template_kwargs=template_kwargs,
@@ -182,15 +182,15 @@ async def create_chat_completion(
         )  # fmt: skip
         call_info.prompt = prompt
         ids = truncated(state, prompt.token_ids, body.truncate_prompt_tokens, wanted)
-        group = state.make_group(
+        engine_request = state.make_request(
             {"prompt_token_ids": ids}, prompt.params, new_id("chat"), body.cache_salt,
             max_tokens_given=max_given, priority=body.priority,
             constraint_param=constraint[0] if constraint else "tools",
         )  # fmt: skip
-        return [group]
+        return [engine_request]
 
     try:
-        call = await state.start(request, body.n, make_groups, user=body.user)
+        call = await state.start(request, body.n, make_requests, user=body.user)
     except ClientGone:
         return Response(status_code=499)
     assert call_info.prompt is not None

@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 from ..chat.logprobs import completion_logprobs
 from ..chat.outputs import Usage
 from ..engine.client import PromptType
-from ..engine.output_processor import RequestGroup
+from ..engine.engine_request import EngineRequest
 from ..engine.request_limits import check_text
 from .errors import APIError, sse_error
 from .peer_fields import check_fields
@@ -97,9 +97,9 @@ async def create_completion(
             ids = list(prompt)  # type: ignore[arg-type]
         return {"prompt_token_ids": truncated(state, ids, body.truncate_prompt_tokens, wanted)}
 
-    def make_groups() -> list[RequestGroup]:
-        groups = [
-            state.make_group(
+    def make_requests() -> list[EngineRequest]:
+        engine_requests = [
+            state.make_request(
                 engine_prompt(prompt),
                 params,
                 f"{engine_id}-{index}" if len(prompts) > 1 else engine_id,
@@ -113,15 +113,15 @@ async def create_completion(
         if body.echo:  # the prompt as the model saw it (truncated, when it was)
             cut = body.truncate_prompt_tokens is not None
             echoes.extend(
-                _echo_text(state, list(g.prompt_token_ids) if cut else p)
-                for g, p in zip(groups, prompts, strict=True)
+                _echo_text(state, list(r.prompt_token_ids) if cut else p)
+                for r, p in zip(engine_requests, prompts, strict=True)
             )
         else:
             echoes.extend("" for _ in prompts)
-        return groups
+        return engine_requests
 
     try:
-        call = await state.start(request, len(prompts) * params.n, make_groups, user=body.user)
+        call = await state.start(request, len(prompts) * params.n, make_requests, user=body.user)
     except ClientGone:
         return Response(status_code=499)
     if body.stream:

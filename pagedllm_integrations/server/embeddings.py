@@ -148,14 +148,14 @@ async def create_embedding(
     try:
         try:
             if _small(prompts):  # tokenizing costs less than the hop to the pool
-                groups = engine.process_embedding_inputs(prompts, params)
+                engine_requests = engine.process_embedding_inputs(prompts, params)
             else:
-                groups = await state.off_loop(
+                engine_requests = await state.off_loop(
                     request, lambda: engine.process_embedding_inputs(prompts, params)
                 )
         except ValueError as error:
             raise APIError(400, str(error), param="input") from None
-        outputs = await _results(engine, groups, request)
+        outputs = await _results(engine, engine_requests, request)
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -177,10 +177,10 @@ async def create_embedding(
     return Response(body_bytes, media_type="application/json")
 
 
-async def _results(engine: EngineClient, groups: list, request: Request) -> list[Any]:
+async def _results(engine: EngineClient, engine_requests: list, request: Request) -> list[Any]:
     """The finished outputs, in order; aborts them all if the client leaves first."""
     loop = asyncio.get_running_loop()
-    streams = engine.submit_many(groups, loop=loop)
+    streams = engine.submit_many(engine_requests, loop=loop)
 
     async def final(stream: Any) -> Any:
         last = None

@@ -28,7 +28,7 @@ from starlette.requests import Request
 
 from ..engine.async_engine import RequestStream
 from ..engine.client import DEFAULT_STALL_SECONDS, EngineClient, PromptType
-from ..engine.output_processor import RequestGroup
+from ..engine.engine_request import EngineRequest
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_outputs import (
@@ -143,12 +143,12 @@ class ServerState:
         self,
         request: Request,
         sequences: int,
-        make_groups: Callable[[], list[RequestGroup]],
+        make_requests: Callable[[], list[EngineRequest]],
         user: str | None = None,
     ) -> EngineCall:
         """Admit `sequences` for the request's client (`user`: the body's field), make the
-        engine requests off the event loop (`make_groups`: tokenize, validate, compile) and
-        submit them all; nothing is submitted unless every one is valid."""
+        engine requests off the event loop (`make_requests`: tokenize, validate, compile)
+        and submit them all; nothing is submitted unless every one is valid."""
         self.check_admitting()
         client = client_identity(request, user)
         try:
@@ -162,15 +162,15 @@ class ServerState:
         submitted: list[RequestStream] = []
         n = sequences
         try:
-            groups = await self.off_loop(request, make_groups)
+            engine_requests = await self.off_loop(request, make_requests)
             if self.aborting:  # shutdown began while it was prepared
                 self.check_admitting()
-            n = groups[0].params.n if groups else 1
+            n = engine_requests[0].num_sequences if engine_requests else 1
             loop = asyncio.get_running_loop()
-            for group in groups:
-                for child in group.children:  # the engine shares each step between clients
-                    child.client_id = client
-                submitted.append(self.engine.submit(group, loop=loop))
+            for engine_request in engine_requests:
+                # Tagged with its client: the engine shares each step between clients.
+                tagged = engine_request.replace(client_id=client)
+                submitted.append(self.engine.submit(tagged, loop=loop))
         except BaseException:
             self.in_flight -= sequences - len(submitted) * n
             self.clients.release(client, sequences - len(submitted) * n)
@@ -199,7 +199,7 @@ class ServerState:
                 code="queue_full",
             )
 
-    def make_group(
+    def make_request(
         self,
         prompt: PromptType,
         params: SamplingParams,
@@ -208,14 +208,14 @@ class ServerState:
         max_tokens_given: bool = False,
         priority: int = 0,
         constraint_param: str = "response_format",
-    ) -> RequestGroup:
+    ) -> EngineRequest:
         """One engine request (any thread but the loop's): tokenized and validated by the
         engine; a max_tokens the client set that does not fit the context is a 400, as in
         vLLM and OpenAI (left unset, generation runs to the end of the context), and so is
         a min_tokens that does not fit. constraint_param: the field a constraint that does
         not compile is blamed on."""
         try:
-            group = self.engine.process_inputs(
+            engine_request = self.engine.process_inputs(
                 prompt, params, request_id, priority=priority, cache_salt=cache_salt
             )
         except (ValueError, CompileCancelledError):
@@ -239,7 +239,7 @@ class ServerState:
                 param=constraint_param,
             ) from error  # fmt: skip
         max_len = self.engine.max_model_len
-        prompt_len = len(group.prompt_token_ids)
+        prompt_len = len(engine_request.prompt_token_ids)
         wanted = params.max_tokens if max_tokens_given else None
         if wanted is not None and prompt_len + wanted > max_len:
             raise APIError(
@@ -259,7 +259,7 @@ class ServerState:
                 param="min_tokens",
                 code="context_length_exceeded",
             )
-        return group
+        return engine_request
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
