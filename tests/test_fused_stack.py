@@ -124,7 +124,7 @@ def test_a_model_the_stack_cannot_run_says_why(caplog, monkeypatch, tmp_path):
 
     monkeypatch.setattr(backend, "CPU_STACK", backend.ALL_FEATURES - {"moe"})
     folder = make_family_checkpoint(tmp_path / "moe", "qwen3_moe")
-    with caplog.at_level(logging.INFO, logger="pagedllm_integrations.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="pagedllm_integrations.engine.engine_builder"):
         llm = LLM(str(folder), disable_log_stats=True, max_model_len=128)
     with llm:
         assert core_of(llm).model.fused_stack() is None
