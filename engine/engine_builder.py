@@ -40,6 +40,7 @@ from .models.config import ModelConfig
 from .models.layers import LinearFactory, dense_linear
 from .pooling import PoolerConfig, read_pooler_config
 from .pooling_step import model_tasks
+from .prefill_cost import PrefillCost
 from .request_state import RequestStateBuilder
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -219,6 +220,11 @@ class EngineBuilder:
             swap=swap,
             proposer=NgramProposer(config.speculation) if config.speculation else None,
             encoder_only=not self.model_config.causal,
+            prefill_cost=(
+                PrefillCost.for_model(self.model_config, self.device.type)
+                if self.model_config.causal
+                else None
+            ),
         )
         self.executor.allocate(self.num_blocks, config.block_size, swap, kv_disk)
         self.disk_cache = None

@@ -4,8 +4,11 @@ There is no prefill phase and no decode phase. Each step has one token budget
 (`max_num_batched_tokens`); running requests are served first, in policy order, each
 getting the tokens it still needs (one for a decoding request, a chunk of its prompt for
 a prefilling one); then waiting requests are admitted while budget, `max_num_seqs` and
-free blocks allow. When blocks run out the lowest-ranked running request is preempted
-(recomputed later, or swapped to host memory when `swap_space` allows).
+free blocks allow. While streams decode, a prefill chunk is also cut to what the budget
+buys at its depth in the prompt (engine/prefill_cost.py: deep chunks cost more attention),
+so a decoding stream's step stays short. When blocks run out the lowest-ranked running
+request is preempted (recomputed later, or swapped to host memory when `swap_space`
+allows).
 
 With speculative decoding a decoding request also runs its draft tokens (a proposer's
 guesses of the tokens after its last one): they take budget and KV slots like any token,
@@ -22,6 +25,7 @@ import time
 
 from .client_share import StepShares
 from .kv_cache_manager import KVCacheManager, cdiv
+from .prefill_cost import PrefillCost, StepUnits
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 from .scheduler_policy import PriorityPolicy, SchedulingPolicy, make_policy
@@ -49,6 +53,7 @@ class Scheduler:
         swap: SwapPlan = NO_SWAP,
         proposer: NgramProposer | None = None,
         encoder_only: bool = False,
+        prefill_cost: PrefillCost | None = None,
     ) -> None:
         self.kv = kv_manager
         # An encoder (bidirectional attention) runs each prompt whole in one step and
@@ -60,6 +65,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # With a cost model, a prefill chunk in a step that carries decoding streams is cut
+        # to what the budget buys at its depth in the prompt (engine/prefill_cost.py).
+        self.prefill_cost = prefill_cost
         self.policy = make_policy(policy)
         self.waiting: list[Request] = []  # kept sorted by policy key
         self.running: list[Request] = []
@@ -116,6 +124,8 @@ class Scheduler:
         # 1. Running requests, best-ranked first. Those not reached yet are the ones that
         #    get preempted when blocks run out, so the policy order is respected.
         shares = StepShares(self.running, self.waiting, budget)
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        units = StepUnits(self.prefill_cost, budget, decoding)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -126,6 +136,8 @@ class Scheduler:
                 # that rank ahead of it (short_first). Held back, it keeps its blocks.
                 reserved = self._reserved_ahead_of(request, index)
                 num_new = min(num_new, shares.cap(request) - reserved)
+                if num_new > 0:
+                    num_new = units.cap(num_new, request.num_computed_tokens, reserved)
                 if num_new <= 0:
                     index += 1
                     continue
@@ -146,6 +158,7 @@ class Scheduler:
                 )
                 budget -= num_new + len(drafts)
                 shares.charge(request, num_new + len(drafts))
+                units.charge(num_new + len(drafts), request.num_computed_tokens, num_new > 1)
                 out.num_draft_tokens += len(drafts)
                 index += 1
                 continue
@@ -153,7 +166,7 @@ class Scheduler:
 
         # 2. Waiting requests, while nothing had to be preempted this step.
         if not out.preempted:
-            budget = self._admit_waiting(out, budget, shares)
+            budget = self._admit_waiting(out, budget, shares, units)
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         now = time.monotonic()
@@ -203,7 +216,9 @@ class Scheduler:
             reserved += need
         return reserved
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, shares: StepShares) -> int:
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, shares: StepShares, units: StepUnits
+    ) -> int:
         excluded: set[str | None] = set()  # clients whose share of this step is used up
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             position = shares.pick(self.waiting, self.running, excluded)
@@ -231,6 +246,9 @@ class Scheduler:
                 if num_new <= 0:
                     excluded.add(request.client_id)
                     continue
+                num_new = units.cap(num_new, num_computed)
+                if num_new <= 0:  # the step's units are spent at this prompt's depth
+                    break
             if swap_slots is not None:
                 request.num_computed_tokens = 0  # allocate blocks for the swapped tokens too
                 ok = self.kv.allocate_slots(request, num_computed + num_new)
@@ -250,6 +268,7 @@ class Scheduler:
             self._start(request, num_new, num_computed, out)
             budget -= num_new
             shares.charge(request, num_new)
+            units.charge(num_new, num_computed, num_new > 1)
         return budget
 
     def _start(self, request: Request, num_new: int, num_computed: int, out: SchedulerOutput):
