@@ -147,9 +147,33 @@ def hf_folder(name: str) -> Path:
     tokenizer_source = gguf_to_hf_folder(default_model_path())
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_source / file, tmp / file)
+    _fit_tokenizer(tmp, config)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
+
+
+def _fit_tokenizer(folder: Path, config: dict) -> None:
+    """Make SmolLM2's tokenizer files pass for the shape's own with llama.cpp's converter.
+
+    - The vocabulary is padded with unused tokens up to the model's `vocab_size`: the
+      Gemma converter cuts the embedding to the tokenizer's size (the others pad the
+      GGUF vocabulary instead), which would leave 49,169 of Gemma's 262,144 rows.
+    - Phi-3/4's converter reads a GPT-2 tokenizer.json only where tokenizer_config.json
+      names GPT2Tokenizer (Phi-4-mini's does); otherwise it wants a sentencepiece file."""
+    tokenizer_path = folder / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    counted = len(vocab) + len(tokenizer["added_tokens"])  # as the Gemma converter counts
+    next_id = max(vocab.values()) + 1
+    for offset in range(config["vocab_size"] - counted):
+        vocab[f"<unused_{offset}>"] = next_id + offset
+    tokenizer_path.write_text(json.dumps(tokenizer, ensure_ascii=False))
+    if config["model_type"] == "phi3":
+        settings_path = folder / "tokenizer_config.json"
+        settings = json.loads(settings_path.read_text())
+        settings["tokenizer_class"] = "GPT2Tokenizer"
+        settings_path.write_text(json.dumps(settings, indent=1))
 
 
 def gguf_file(name: str, quant: str) -> Path:
