@@ -248,6 +248,7 @@ class LLMEngine(EngineParts):
             kv_disk_blocks=kv.pool.num_disk_blocks_in_use,
             kv_disk_blocks_taken=kv.pool.num_disk_blocks_taken,
             kv_disk_block_reads=runner.kv_disk_block_reads if runner is not None else 0,
+            kv_disk_blocks_demoted=kv.pool.num_blocks_demoted,
         )
 
     def _log_stats(self, iteration: IterationStats) -> None:
