@@ -15,12 +15,24 @@ Tiers. With a KV disk tier (engine/kv_disk_tier.py) the blocks from `memory_bloc
 live in a file that the kernel pages; they have a queue of their own, in the same order,
 and are handed out only when no memory block is free, so the file takes only what memory
 cannot hold.
+
+Cold prefix blocks go down a tier. With a disk tier and `copy_blocks` set (the engine
+sets it to copy KV blocks in its tensors), a cached memory block that is about to be
+reused for new tokens is not dropped from the prefix cache: its keys and values are copied
+into a free block of the file (the file's unhashed blocks first, then its least recently
+used cached ones) and its hash moves there. A later prompt with that prefix hits it where
+it lies: attention reads it from the file's pages (the kernel reads them back from disk if
+it had to write them out), and nothing copies it back. The copies are made before
+`get_new_blocks` returns, so before anything can write the memory block's new tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+
+# (source block id, destination block id) pairs to copy, all layers' keys and values.
+BlockCopier = Callable[[list[tuple[int, int]]], None]
 
 
 @dataclass(eq=False, slots=True)
@@ -110,6 +122,10 @@ class BlockPool:
         self.disk_queue = FreeBlockQueue(self.blocks[self.memory_blocks :])
         self.cached: dict[int, KVCacheBlock] = {}
         self.num_disk_blocks_taken = 0  # disk-tier blocks handed out, since start
+        # Set by the engine where a disk tier exists: cold cached memory blocks are then
+        # copied into the file instead of being dropped (see the module's docstring).
+        self.copy_blocks: BlockCopier | None = None
+        self.num_blocks_demoted = 0  # cached memory blocks moved to the file, since start
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,16 +147,39 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, only {self.num_free_blocks} free")
         blocks = []
+        moves: list[tuple[int, int]] = []
         for _ in range(n):
             if len(self.free_queue):
                 block = self.free_queue.popleft()
+                if block.block_hash is not None and self.copy_blocks is not None:
+                    self._demote(block, moves)
             else:
                 block = self.disk_queue.popleft()
                 self.num_disk_blocks_taken += 1
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
+        if moves:
+            assert self.copy_blocks is not None
+            self.copy_blocks(moves)
         return blocks
+
+    def _demote(self, block: KVCacheBlock, moves: list[tuple[int, int]]) -> None:
+        """Move cached memory block `block`'s hash to a free block of the file (queued
+        as its most recently used) and record the copy; nothing when the file has no free
+        block. A destination handed out later in the same call loses the hash again, as
+        any evicted block does (its copy is then wasted, never wrong)."""
+        if not len(self.disk_queue):
+            return
+        target = self.disk_queue.popleft()
+        self._evict(target)
+        assert block.block_hash is not None
+        target.block_hash, target.token_ids = block.block_hash, block.token_ids
+        self.cached[block.block_hash] = target
+        block.block_hash = block.token_ids = None
+        self.disk_queue.append(target)
+        moves.append((block.block_id, target.block_id))
+        self.num_blocks_demoted += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache."""

@@ -1,15 +1,22 @@
 """The prefix cache that survives a restart: KV blocks of recurring prompts, on disk.
 
 With `prefix_cache_dir` set, the in-memory prefix cache (engine/kv_cache_manager.py) gets
-a second level. Everything runs on the engine thread except the file writes:
+a second level. File reads and writes run on threads of their own; the rest on the engine
+thread:
 
     LLMEngine.add_request(request)       before the request is ever scheduled
-      DiskPrefixCache.load(request)      its prompt's full blocks, in chain order: those in
-                                         memory are skipped; from the first that is not, each
-                                         one found on disk is read and checked (prefix_store)
-                                         into fresh blocks, registered under its hash and
-                                         freed to the cached end of the free queue; the first
-                                         one missing or refused ends the walk
+      DiskPrefixCache.begin_load         its prompt's full blocks, in chain order: those in
+                                         memory are skipped; from the first that is not,
+                                         each one found on disk is wanted; the first one
+                                         missing ends the walk. The reader thread reads and
+                                         checks (prefix_store) the wanted files into staging
+                                         memory; meanwhile the request waits outside the
+                                         scheduler and the steps of the others go on
+    LLMEngine.step(), once read          DiskPrefixCache.finish_load: the chain is walked
+                                         again (memory may have changed), the blocks read go
+                                         into fresh blocks, registered under their hashes and
+                                         freed to the cached end of the free queue; then the
+                                         request joins the scheduler
     Scheduler.schedule()                 finds them as ordinary prefix-cache hits: they count
                                          as cached tokens in usage, and are not computed
     KVCacheManager.allocate_slots        each hit is counted per block (hit_listener); a
@@ -23,20 +30,21 @@ So a block is written once it has been a prefix-cache hit twice in one process (
 request that shares it), or when `save_prefix(prompt)` asks. Hits of a sample on its
 siblings' blocks (`n` > 1) and of a preempted request on its own do not count.
 
-I/O on the engine thread. A load reads each block's file and checks its keyed MAC (for
+What the engine thread pays. A load reads each block's file and checks its keyed MAC (for
 SmolLM2-135M one block of 16 tokens is 360 KiB: a 2,000-token prompt is 45 MiB, tens of
-milliseconds from the page cache, and as much again for HMAC-SHA256 at ~0.7 GB/s) once
-per request that can use it, before its first step: a cost of the same order as computing
-a few of those tokens, paid while the other requests wait one step. Writes
-cost the engine thread only the copy out of the KV cache; the files are written by a
-thread of their own (prefix_store.PrefixStore).
+milliseconds from the page cache, as much again for HMAC-SHA256 at ~0.7 GB/s, and far
+more from a cold disk); that runs on the reader thread, overlapped with the steps of the
+other requests, and the engine thread only copies the checked blocks into the KV cache.
+Writes cost the engine thread only the copy out of the KV cache; the files are written by
+a thread of their own (prefix_store.PrefixStore).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +116,17 @@ def scatter_blocks(
             _copy(v[first : first + length].view(length, -1), rows[:, layer, 1])
 
 
+@dataclass(slots=True)
+class PendingLoad:
+    """A request's prefix blocks being read from disk (DiskPrefixCache.begin_load)."""
+
+    request: Request
+    hashes: list[int]  # the chained hashes of the prompt's full blocks
+    wanted: list[int]  # the block indices read, in chain order
+    staging: torch.Tensor  # [len(wanted), layers, 2, elements of a block]
+    future: Future  # -> how many of `wanted`, from the first, were read and passed
+
+
 class DiskPrefixCache:
     """The engine's disk level of the prefix cache (one per engine, on its thread)."""
 
@@ -131,6 +150,8 @@ class DiskPrefixCache:
         self._saves: list[tuple[Request, Future]] = []  # save_when_computed, not yet computed
         self._on_disk: set[int] = set()  # hashes loaded or queued by this engine
         self.loaded_tokens = 0  # cumulative, for SchedulerStats
+        # Block files are read and checked here, beside the steps (begin_load).
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-prefix-reader")
         kv.hit_listener = self._count_hits
 
     @classmethod
@@ -170,44 +191,73 @@ class DiskPrefixCache:
         return tuple(request.all_token_ids[index * size : (index + 1) * size])
 
     # ------------------------------------------------------------------- load
-    def load(self, request: Request) -> int:
-        """`_load`, where a failure costs only the tokens it would have saved."""
+    def begin_load(self, request: Request) -> PendingLoad | None:
+        """Engine thread: find the blocks of `request`'s prompt that are on disk and not in
+        memory, and start reading them on the reader thread. None when there are none (or
+        looking failed: that costs only the tokens it would have saved)."""
         try:
-            return self._load(request)
+            return self._begin_load(request)
+        except Exception:
+            logger.exception("prefix cache: looking in %s failed; computing instead", self.folder)
+            return None
+
+    def _begin_load(self, request: Request) -> PendingLoad | None:
+        size, pool = self.kv.block_size, self.kv.pool
+        num_blocks = (request.num_tokens - 1) // size  # the last token is always computed
+        if num_blocks <= 0:
+            return None
+        hashes = self.kv.full_block_hashes(request, num_blocks * size)
+        wanted: list[int] = []  # block indices, in chain order
+        for index in range(num_blocks):
+            if pool.lookup(hashes[index], self._tokens(request, index)) is not None:
+                continue  # in memory
+            if not self.store.exists(hashes[index]):
+                break
+            wanted.append(index)
+        if not wanted:
+            return None
+        staging = torch.empty((len(wanted), *self.payload_shape), dtype=self.kv_caches[0][0].dtype)
+        digests = prefix_digests(hashes[0], request.all_token_ids, wanted[-1] + 1, size)
+        records = [BlockRecord(hashes[i], self._tokens(request, i), digests[i]) for i in wanted]
+        raw = staging.view(torch.uint8).numpy()  # [n, layers, 2, bytes]
+        future = self._reader.submit(self._read_blocks, records, raw)
+        return PendingLoad(request, hashes, wanted, staging, future)
+
+    def _read_blocks(self, records: list[BlockRecord], raw: np.ndarray) -> int:
+        """Reader thread: read and check the files in order into `raw`; how many of them,
+        from the first, passed (a missing or refused one ends the run: a chain)."""
+        for slot, record in enumerate(records):
+            if not self.store.read(record, raw[slot]):
+                return slot
+        return len(records)
+
+    def finish_load(self, pending: PendingLoad) -> int:
+        """Engine thread, once `pending.future` is done: put the blocks read into fresh
+        blocks, registered under their hashes and freed to the cached end of the free queue;
+        the scheduler then hits them like any other. Returns the tokens loaded."""
+        try:
+            return self._finish_load(pending)
         except Exception:
             logger.exception("prefix cache: loading from %s failed; computing instead", self.folder)
             return 0
 
-    def _load(self, request: Request) -> int:
-        """Bring the blocks of `request`'s prompt that are on disk and not in memory into
-        the KV cache as free, cached blocks; the scheduler then hits them like any other.
-        Returns the tokens loaded."""
-        size, pool = self.kv.block_size, self.kv.pool
-        num_blocks = (request.num_tokens - 1) // size  # the last token is always computed
-        if num_blocks <= 0:
+    def _finish_load(self, pending: PendingLoad) -> int:
+        num_read = pending.future.result()
+        if num_read == 0:
             return 0
-        hashes = self.kv.full_block_hashes(request, num_blocks * size)
+        request, hashes, pool = pending.request, pending.hashes, self.kv.pool
+        slot_of = {index: slot for slot, index in enumerate(pending.wanted[:num_read])}
+        # The chain again: memory may have dropped or gained blocks while the files were read.
         resident: list[tuple[int, KVCacheBlock]] = []
-        wanted: list[int] = []
-        for index in range(num_blocks):
+        loaded: list[int] = []
+        for index in range(pending.wanted[num_read - 1] + 1):
             block = pool.lookup(hashes[index], self._tokens(request, index))
             if block is not None:
                 resident.append((index, block))
-            elif self.store.exists(hashes[index]):
-                wanted.append(index)
+            elif index in slot_of:
+                loaded.append(index)
             else:
-                break
-        if not wanted:
-            return 0
-        staging = torch.empty((len(wanted), *self.payload_shape), dtype=self.kv_caches[0][0].dtype)
-        raw = staging.view(torch.uint8).numpy()  # [n, layers, 2, bytes]
-        digests = prefix_digests(hashes[0], request.all_token_ids, wanted[-1] + 1, size)
-        loaded: list[int] = []
-        for slot, index in enumerate(wanted):
-            record = BlockRecord(hashes[index], self._tokens(request, index), digests[index])
-            if not self.store.read(record, raw[slot]):
-                break
-            loaded.append(index)
+                break  # a block memory held is gone: the chain ends before it
         if not loaded:
             return 0
         # Hold the resident blocks meanwhile, so that taking fresh ones cannot evict them.
@@ -216,7 +266,8 @@ class DiskPrefixCache:
         try:
             loaded = loaded[: pool.num_free_blocks]
             fresh = pool.get_new_blocks(len(loaded))
-            scatter_blocks(self.kv_caches, [b.block_id for b in fresh], staging[: len(loaded)])
+            slots = torch.tensor([slot_of[index] for index in loaded])
+            scatter_blocks(self.kv_caches, [b.block_id for b in fresh], pending.staging[slots])
             for index, block in zip(loaded, fresh):
                 pool.cache_block(block, hashes[index], self._tokens(request, index))
                 self._remember_on_disk(hashes[index])
@@ -227,9 +278,9 @@ class DiskPrefixCache:
         finally:
             chain = sorted(resident + list(zip(loaded, fresh)), key=lambda pair: pair[0])
             pool.free_blocks(reversed([block for _, block in chain]))  # the prefix stays longest
-        self.loaded_tokens += len(fresh) * size
+        self.loaded_tokens += len(fresh) * self.kv.block_size
         logger.debug("prefix cache: %d blocks of %s read from disk", len(fresh), request.request_id)
-        return len(fresh) * size
+        return len(fresh) * self.kv.block_size
 
     # ------------------------------------------------------------------ write
     def _count_hits(self, request: Request, hits: list[KVCacheBlock]) -> None:
@@ -336,7 +387,8 @@ class DiskPrefixCache:
         return self.store.files_written * self.kv.block_size
 
     def close(self, timeout: float = 60.0) -> None:
-        """Wait for the queued writes (at engine shutdown)."""
+        """Wait for the queued writes (at engine shutdown); end the reader."""
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self.store.flush(timeout)
 
 

@@ -32,7 +32,7 @@ from .generation_config import generation_defaults, read_generation_config
 from .heap import release_freed_memory
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
-from .kv_disk_tier import NO_KV_DISK, KVDiskPlan
+from .kv_disk_tier import NO_KV_DISK, KVDiskPlan, kv_block_copier
 from .kv_sizing import ContextFit, check_blocks_hold_a_sequence, fit_cpu_context, kv_bytes_per_block
 from .model_info import ModelInfo
 from .model_loader import ModelSource, load_tokenizer, read_config, resolve_model
@@ -227,6 +227,8 @@ class EngineBuilder:
             ),
         )
         self.executor.allocate(self.num_blocks, config.block_size, swap, kv_disk)
+        if kv_disk.blocks:  # cold cached blocks move into the file instead of being dropped
+            self.kv_manager.pool.copy_blocks = kv_block_copier(self.executor.kv_caches)
         self.disk_cache = None
         if config.prefix_cache_dir is not None:
             self.disk_cache = DiskPrefixCache.create(

@@ -19,6 +19,10 @@ memory slows down instead of being killed. The file is reserved in full at start
 disk is a clear error then, not a SIGBUS mid-step), is readable by this user only, and
 has no name (engine/swap_space.py's `unnamed_file`), so nothing is left behind.
 
+The file also extends the prefix cache: a cached memory block that is about to be reused
+is copied into a free block of the file and keeps its hash there (engine/block_pool.py,
+`kv_block_copier` below), so a prefix that memory no longer holds is still a hit.
+
 (The swap tiers of engine/swap_space.py are another thing: they hold the blocks of
 requests that are not running, copied out and back in whole.)
 """
@@ -30,8 +34,10 @@ import math
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import GiB
@@ -157,3 +163,37 @@ class KVDiskFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def kv_block_copier(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[[list[tuple[int, int]]], None]:
+    """BlockPool.copy_blocks over these KV tensors: copy every layer's keys and values of
+    each (source, destination) block pair, runs of consecutive pairs as one slice copy per
+    tensor (numpy's memcpy: torch's bf16 index copies on the CPU run at a tenth of it, and
+    its large copies wait for a free core on a busy machine)."""
+
+    def copy(moves: list[tuple[int, int]]) -> None:
+        for source, destination, length in _runs_of_pairs(moves):
+            for tensor in (t for pair in kv_caches for t in pair):
+                rows = tensor[source : source + length]
+                np.copyto(
+                    tensor[destination : destination + length].view(torch.uint8).numpy(),
+                    rows.view(torch.uint8).numpy(),
+                )
+
+    return copy
+
+
+def _runs_of_pairs(moves: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first source, first destination, length) of each run of pairs that both count up
+    by one (the pool pops both queues mostly in block order)."""
+    runs: list[tuple[int, int, int]] = []
+    for source, destination in moves:
+        if runs:
+            first_source, first_destination, length = runs[-1]
+            if (source, destination) == (first_source + length, first_destination + length):
+                runs[-1] = (first_source, first_destination, length + 1)
+                continue
+        runs.append((source, destination, 1))
+    return runs

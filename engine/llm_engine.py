@@ -12,13 +12,14 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .config import EngineConfig
+from .disk_prefix_cache import PendingLoad
 from .engine_builder import EngineBuilder, EngineParts
 from .engine_request import EngineRequest
 from .metrics import EngineCounters, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
@@ -32,6 +33,9 @@ from .row_faults import sample_rows
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for a request's prefix blocks to be read.
+LOAD_WAIT_SECONDS = 0.05
 
 __all__ = ["EngineRequest", "LLMEngine", "PromptType"]
 
@@ -50,6 +54,8 @@ class LLMEngine(EngineParts):
             self.stat_loggers.append(LoggingStatLogger(config.log_stats_interval))
         # save_prefix(request_id) before its request arrives: the futures its save fulfils.
         self._saves_on_arrival: dict[str, Future] = {}
+        # Requests whose prefix blocks are being read from disk, not scheduled yet.
+        self._loading: dict[str, tuple[RequestGroup, PendingLoad]] = {}
 
     # ----------------------------------------------------------- request flow
     def add_request(self, request: EngineRequest) -> None:
@@ -58,19 +64,39 @@ class LLMEngine(EngineParts):
             raise ValueError(f"request id {request.request_id!r} is already running")
         group = self.request_states.build(request)
         self.groups[request.request_id] = group
-        if self.disk_cache is not None:  # the siblings share the prompt, so its blocks
-            self.disk_cache.load(group.children[0])
+        if self.disk_cache is not None:
             saved = self._saves_on_arrival.pop(request.request_id, None)
             if saved is not None:
                 self.disk_cache.save_when_computed(group.children[0], saved)
+            # The siblings share the prompt, so its blocks: read for the first one.
+            pending = self.disk_cache.begin_load(group.children[0])
+            if pending is not None:  # scheduled once its blocks are read (_admit_loaded)
+                self._loading[request.request_id] = (group, pending)
+                return
         for child in group.children:
             self.scheduler.add_request(child)
+
+    def _admit_loaded(self) -> None:
+        """Schedule the requests whose prefix blocks have been read from disk. When nothing
+        else can run, wait a little for the first of them (a step with no work would only
+        spin); commands such as aborts are still taken between those waits."""
+        if not self.scheduler.has_unfinished():
+            _, first = next(iter(self._loading.values()))
+            wait([first.future], timeout=LOAD_WAIT_SECONDS)
+        for request_id, (group, pending) in list(self._loading.items()):
+            if not pending.future.done():
+                continue
+            del self._loading[request_id]
+            self.disk_cache.finish_load(pending)  # type: ignore[union-attr]
+            for child in group.children:
+                self.scheduler.add_request(child)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now; its blocks are freed. Returns its final output (or None)."""
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        self._loading.pop(request_id, None)  # its blocks' read finishes unused
         for child in group.children:
             self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
         return self._make_output(group)
@@ -80,6 +106,8 @@ class LLMEngine(EngineParts):
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return the outputs of requests that changed."""
+        if self._loading:
+            self._admit_loaded()
         out = self.scheduler.schedule()
         iteration = IterationStats(
             num_batched_tokens=out.num_batched_tokens, num_seqs=len(out.scheduled)
@@ -232,7 +260,7 @@ class LLMEngine(EngineParts):
         runner = self.executor.runner
         return SchedulerStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._loading),
             kv_cache_usage=self.kv_manager.usage,
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
@@ -248,6 +276,7 @@ class LLMEngine(EngineParts):
             kv_disk_blocks=kv.pool.num_disk_blocks_in_use,
             kv_disk_blocks_taken=kv.pool.num_disk_blocks_taken,
             kv_disk_block_reads=runner.kv_disk_block_reads if runner is not None else 0,
+            kv_disk_blocks_demoted=kv.pool.num_blocks_demoted,
         )
 
     def _log_stats(self, iteration: IterationStats) -> None:

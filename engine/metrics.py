@@ -38,10 +38,12 @@ class SchedulerStats:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     # KV disk tier (engine/kv_disk_tier.py): its blocks held by requests now, and
-    # cumulative blocks handed out from it (spilled past memory) and read by steps.
+    # cumulative blocks handed out from it (spilled past memory) and read by steps, and
+    # cached memory blocks moved into it rather than dropped from the prefix cache.
     kv_disk_blocks: int = 0
     kv_disk_blocks_taken: int = 0
     kv_disk_block_reads: int = 0
+    kv_disk_blocks_demoted: int = 0
 
 
 @dataclass(slots=True)
@@ -220,6 +222,7 @@ class EngineCounters:
                 "kv_disk_blocks": s.kv_disk_blocks,
                 "kv_disk_blocks_taken": s.kv_disk_blocks_taken,
                 "kv_disk_block_reads": s.kv_disk_block_reads,
+                "kv_disk_blocks_demoted": s.kv_disk_blocks_demoted,
                 **self.spec.as_dict(),
             }
 

@@ -13,6 +13,8 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,69 @@ def test_save_prefix_writes_every_full_block_and_a_new_engine_starts_from_them(
         ).result()
         assert salted.num_cached_tokens == 0
         assert salted.outputs[0].token_ids == expected[1]
+        assert all_blocks_free(llm)
+
+
+def test_blocks_are_read_beside_the_steps_of_the_other_requests(
+    tiny_llama_dir, tmp_path, prompts, expected
+):
+    """While a request's prefix blocks are read from disk (held here at a gate), a stream
+    already decoding keeps getting tokens; then the request starts from the blocks read and
+    answers the same. A request aborted while its blocks are read ends cleanly."""
+    system = prompts[0][: system_len(prompts)]
+    with LLM(str(tiny_llama_dir), prefix_cache_dir=str(tmp_path / "cache"), **ENGINE) as llm:
+        saved = llm.save_prefix({"prompt_token_ids": system})
+        assert llm.engine.reset_prefix_cache()  # memory forgets: the blocks come from disk
+        store = core_of(llm).disk_cache.store
+        gate = threading.Event()
+        reads_started = threading.Event()
+        read = store.read
+
+        def gated_read(record, out):  # the reader thread
+            reads_started.set()
+            assert gate.wait(timeout=120), "the test never opened the gate"
+            return read(record, out)
+
+        store.read = gated_read
+        decode = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        stream = llm.engine.add_request({"prompt_token_ids": prompts[3][-8:]}, decode)
+        tokens: list[float] = []  # arrival times of the stream's outputs
+        follower = threading.Thread(
+            target=lambda: [tokens.append(time.monotonic()) for _ in stream]
+        )
+        follower.start()
+        deadline = time.monotonic() + 60
+        while not tokens and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        loading = llm.engine.add_request({"prompt_token_ids": prompts[0]}, GREEDY)
+        assert reads_started.wait(timeout=60)
+        during = len(tokens)
+        deadline = time.monotonic() + 60
+        while len(tokens) < during + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(tokens) >= during + 5, "the stream stalled while blocks were read"
+        gate.set()
+        output = loading.result()
+        assert output.outputs[0].token_ids == expected[0]
+        assert output.num_cached_tokens == saved  # all of the saved prefix came from disk
+
+        # Aborted while its blocks are read: it ends, and nothing is held.
+        gate.clear()
+        reads_started.clear()
+        salted = llm.engine.add_request(
+            {"prompt_token_ids": prompts[1]}, GREEDY, cache_salt="unsaved"
+        )  # nothing of it on disk: scheduled at once
+        assert salted.result().outputs[0].token_ids == expected[1]
+        llm.engine.abort(stream.request_id)
+        follower.join(timeout=60)
+        assert llm.engine.reset_prefix_cache()
+        aborted = llm.engine.add_request({"prompt_token_ids": prompts[2]}, GREEDY)
+        assert reads_started.wait(timeout=60)
+        llm.engine.abort(aborted.request_id)
+        assert aborted.result().outputs[0].finish_reason == "abort"
+        gate.set()
+        assert generate(llm, prompts[2]).outputs[0].token_ids == expected[2]
         assert all_blocks_free(llm)
 
 

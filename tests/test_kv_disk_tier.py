@@ -14,7 +14,7 @@ import torch
 
 from pagedllm_integrations.engine.block_pool import BlockPool
 from pagedllm_integrations.engine.config import GiB
-from pagedllm_integrations.engine.kv_disk_tier import KVDiskFile, KVDiskPlan
+from pagedllm_integrations.engine.kv_disk_tier import KVDiskFile, KVDiskPlan, kv_block_copier
 from pagedllm_integrations.engine.kv_sizing import kv_bytes_per_block
 from pagedllm_integrations.engine.llm import LLM
 from pagedllm_integrations.engine.sampling_params import SamplingParams
@@ -136,3 +136,86 @@ def test_kv_disk_settings_that_cannot_work_are_refused(long_context_model, tiny_
     # An explicit length that memory and the disk tier together cannot hold.
     with pytest.raises(ValueError, match="max_model_len 32768 needs 2048"):
         LLM(str(long_context_model), num_kv_blocks=512, kv_disk_space=0.001, max_model_len=32768)
+
+
+def _cached_and_freed(pool: BlockPool, count: int, first_hash: int) -> list:
+    """`count` blocks taken, registered under hashes first_hash.., and freed (cached)."""
+    blocks = pool.get_new_blocks(count)
+    for offset, block in enumerate(blocks):
+        pool.cache_block(block, first_hash + offset, (first_hash + offset,))
+    pool.free_blocks(blocks)
+    return blocks
+
+
+def test_cold_cached_memory_blocks_move_into_the_file_instead_of_being_dropped():
+    pool = BlockPool(8, memory_blocks=4)
+    copies: list[list[tuple[int, int]]] = []
+    pool.copy_blocks = copies.append  # the engine's copier: kv_block_copier
+    cold = _cached_and_freed(pool, 4, first_hash=100)  # memory full of cached blocks
+    taken = pool.get_new_blocks(2)  # reuses the two least recently used ones
+    assert [b.block_id for b in taken] == [cold[0].block_id, cold[1].block_id]
+    [moves] = copies  # one call, before get_new_blocks returned
+    assert [source for source, _ in moves] == [cold[0].block_id, cold[1].block_id]
+    assert all(destination >= 4 for _, destination in moves)  # into the file
+    for offset, (_, destination) in enumerate(moves):  # the hashes moved with them
+        assert pool.lookup(100 + offset, (100 + offset,)).block_id == destination
+    assert pool.lookup(102, (102,)) is cold[2]  # the warmer ones stay in memory
+    assert pool.num_blocks_demoted == 2 and pool.num_disk_blocks_in_use == 0
+    pool.check_consistency()
+
+    # The file full of cached blocks too: its least recently used one makes room.
+    pool.free_blocks(taken)  # unhashed: reused first, nothing to move
+    _cached_and_freed(pool, 2, first_hash=200)  # memory: 102, 103, 200, 201 cached
+    pool.get_new_blocks(4)  # all four move to the file, which drops 100 and 101 for them
+    assert pool.lookup(100, (100,)) is None and pool.lookup(101, (101,)) is None
+    assert all(pool.lookup(h, (h,)) is not None for h in (102, 103, 200, 201))
+    assert pool.num_blocks_demoted == 6
+    pool.check_consistency()
+
+
+def test_without_a_copier_cold_blocks_are_dropped_as_before():
+    pool = BlockPool(8, memory_blocks=4)
+    _cached_and_freed(pool, 4, first_hash=100)
+    pool.get_new_blocks(2)
+    assert pool.lookup(100, (100,)) is None and pool.num_blocks_demoted == 0
+
+
+def test_the_copier_moves_every_layers_keys_and_values_of_each_pair():
+    kv_caches = [
+        (torch.arange(8 * 6, dtype=torch.bfloat16).view(8, 2, 3) + 1000 * layer,
+         -torch.arange(8 * 6, dtype=torch.bfloat16).view(8, 2, 3) - 1000 * layer)
+        for layer in range(3)
+    ]  # fmt: skip
+    expected = [(k.clone(), v.clone()) for k, v in kv_caches]
+    moves = [(0, 5), (1, 6), (3, 7)]  # a run of two, then one on its own
+    kv_block_copier(kv_caches)(moves)
+    for (k, v), (k0, v0) in zip(kv_caches, expected):
+        for source, destination in moves:
+            assert k[destination].equal(k0[source]) and v[destination].equal(v0[source])
+        assert k[:5].equal(k0[:5]) and v[:5].equal(v0[:5])  # sources untouched
+
+
+def test_a_prefix_memory_dropped_is_still_a_hit_from_the_file(tiny_llama_dir, tmp_path):
+    """KV memory for 64 blocks: a second prompt reuses the first one's blocks, which move
+    into the file; the first prompt again hits them there and gets the same tokens."""
+    rng = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(100, 900, (960,), generator=rng).tolist() for _ in range(2))
+    with LLM(
+        str(tiny_llama_dir),
+        num_kv_blocks=64,
+        kv_disk_space=0.002,
+        swap_dir=str(tmp_path),
+        max_model_len=1024,
+        disable_log_stats=True,
+    ) as llm:
+        core = core_of(llm)
+        [before] = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": second}], GREEDY, use_tqdm=False)
+        stats = core.counters.snapshot()
+        assert stats["kv_disk_blocks_demoted"] >= 960 // 16 - 8  # memory had 64 blocks
+        assert stats["kv_disk_blocks_taken"] == 0  # no request ran in the file
+        hits = core.kv_manager.prefix_cache_hits
+        [again] = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
+        assert core.kv_manager.prefix_cache_hits - hits >= 960 - 16 * 9
+        assert again.outputs[0].token_ids == before.outputs[0].token_ids
+        assert llm.engine.num_free_blocks() == core.num_blocks  # nothing leaked

@@ -84,6 +84,7 @@ def test_swap_tiers_and_the_kv_disk_tier_reach_prometheus_and_top():
     stats = SchedulerStats(
         swapped_blocks_host=3, swapped_blocks_disk=5, blocks_swapped_out=12, blocks_swapped_in=4,
         kv_disk_blocks=7, kv_disk_blocks_taken=20, kv_disk_block_reads=90,
+        kv_disk_blocks_demoted=33,
     )  # fmt: skip
     logger.record(stats, IterationStats())
     logger.record(stats, IterationStats())  # totals are not counted twice
@@ -96,3 +97,5 @@ def test_swap_tiers_and_the_kv_disk_tier_reach_prometheus_and_top():
     assert 'pagedllm:kv_disk_tier_block_reads_total{model_name="m"} 90.0' in text
     tier = next(line for line in screen.splitlines() if line.startswith("kv disk"))
     assert "in use      7" in tier and "taken 20, read by steps 90" in tier
+    assert 'pagedllm:kv_disk_tier_blocks_demoted_total{model_name="m"} 33.0' in text
+    assert "cached blocks moved in 33" in tier

@@ -102,6 +102,10 @@ class PrometheusStatLogger:
         self.kv_disk_reads = counter(
             "kv_disk_tier_block_reads", "KV blocks of the disk tier read by steps' attention."
         )
+        self.kv_disk_demoted = counter(
+            "kv_disk_tier_blocks_demoted",
+            "Cold prefix-cache blocks moved from memory into the disk tier, not dropped.",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._success = Counter(
@@ -185,7 +189,7 @@ class PrometheusStatLogger:
         self._lock = threading.Lock()
         # prefix queries, prefix hits, preemptions, disk-loaded and disk-written tokens,
         # blocks swapped out and in, disk-tier blocks taken and read
-        self._last_cumulative: tuple[int, ...] = (0,) * 9
+        self._last_cumulative: tuple[int, ...] = (0,) * 10
 
     # ----------------------------------------------------- engine thread, every step
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
@@ -243,6 +247,7 @@ class PrometheusStatLogger:
             scheduler.blocks_swapped_in,
             scheduler.kv_disk_blocks_taken,
             scheduler.kv_disk_block_reads,
+            scheduler.kv_disk_blocks_demoted,
         )
         with self._lock:
             # max(): a total never goes back, even if two snapshots arrive out of order.
@@ -253,7 +258,7 @@ class PrometheusStatLogger:
         cumulative = (
             self.prefix_queries, self.prefix_hits, self.preemptions,
             self.disk_loaded, self.disk_written, self.swapped_out, self.swapped_in,
-            self.kv_disk_taken, self.kv_disk_reads,
+            self.kv_disk_taken, self.kv_disk_reads, self.kv_disk_demoted,
         )  # fmt: skip
         for metric, delta in zip(cumulative, deltas):
             if delta:

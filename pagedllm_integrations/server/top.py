@@ -140,10 +140,13 @@ def render(url: str, previous: Snapshot | None, current: Snapshot) -> str:
             f"{int(swapped_out)}, back in {int(current.get('kv_blocks_swapped_in_total'))}"
         )
     taken = current.get("kv_disk_tier_blocks_taken_total")
-    if taken:  # the KV disk tier is on and memory has run out into it
+    demoted = current.get("kv_disk_tier_blocks_demoted_total")
+    if taken or demoted:  # the KV disk tier is on and memory has run out into it
         lines.append(
             f"kv disk    blocks in use {int(current.get('kv_disk_tier_blocks')):>6}   taken "
-            f"{int(taken)}, read by steps {int(current.get('kv_disk_tier_block_reads_total'))}"
+            f"{int(taken or 0)}, read by steps "
+            f"{int(current.get('kv_disk_tier_block_reads_total'))}, cached blocks moved in "
+            f"{int(demoted or 0)}"
         )
     drafted = current.get("spec_decode_num_draft_tokens_total")
     if drafted:  # speculative decoding is on and has drafted
