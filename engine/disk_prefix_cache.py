@@ -6,17 +6,16 @@ thread:
 
     LLMEngine.add_request(request)       before the request is ever scheduled
       DiskPrefixCache.begin_load         its prompt's full blocks, in chain order: those in
-                                         memory are skipped; from the first that is not,
-                                         each one found on disk is wanted; the first one
-                                         missing ends the walk. The reader thread reads and
-                                         checks (prefix_store) the wanted files into staging
-                                         memory; meanwhile the request waits outside the
-                                         scheduler and the steps of the others go on
-    LLMEngine.step(), once read          DiskPrefixCache.finish_load: the chain is walked
-                                         again (memory may have changed), the blocks read go
-                                         into fresh blocks, registered under their hashes and
-                                         freed to the cached end of the free queue; then the
-                                         request joins the scheduler
+                                         memory are held; from the first that is not, each
+                                         one found on disk gets a fresh block, held; the first
+                                         one missing ends the walk. The reader thread reads
+                                         and checks (prefix_store) the files and copies them
+                                         into their fresh blocks; meanwhile the request waits
+                                         outside the scheduler and the others' steps go on
+    LLMEngine.step(), once read          DiskPrefixCache.finish_load: the blocks read are
+                                         registered under their hashes and every held block
+                                         is freed to the cached end of the free queue; then
+                                         the request joins the scheduler
     Scheduler.schedule()                 finds them as ordinary prefix-cache hits: they count
                                          as cached tokens in usage, and are not computed
     KVCacheManager.allocate_slots        each hit is counted per block (hit_listener); a
@@ -33,8 +32,9 @@ siblings' blocks (`n` > 1) and of a preempted request on its own do not count.
 What the engine thread pays. A load reads each block's file and checks its keyed MAC (for
 SmolLM2-135M one block of 16 tokens is 360 KiB: a 2,000-token prompt is 45 MiB, tens of
 milliseconds from the page cache, as much again for HMAC-SHA256 at ~0.7 GB/s, and far
-more from a cold disk); that runs on the reader thread, overlapped with the steps of the
-other requests, and the engine thread only copies the checked blocks into the KV cache.
+more from a cold disk), then copies it into the KV cache (the first touch of those pages
+too); all of that runs on the reader thread, overlapped with the steps of the other
+requests, and the engine thread only takes the blocks and registers their hashes.
 Writes cost the engine thread only the copy out of the KV cache; the files are written by
 a thread of their own (prefix_store.PrefixStore).
 """
@@ -118,13 +118,15 @@ def scatter_blocks(
 
 @dataclass(slots=True)
 class PendingLoad:
-    """A request's prefix blocks being read from disk (DiskPrefixCache.begin_load)."""
+    """A request's prefix blocks being read from disk (DiskPrefixCache.begin_load). Every
+    block here is held (a reference) until `finish_load`, even if the request is aborted
+    meanwhile: the reader thread writes the fresh ones."""
 
     request: Request
     hashes: list[int]  # the chained hashes of the prompt's full blocks
-    wanted: list[int]  # the block indices read, in chain order
-    staging: torch.Tensor  # [len(wanted), layers, 2, elements of a block]
-    future: Future  # -> how many of `wanted`, from the first, were read and passed
+    resident: list[tuple[int, KVCacheBlock]]  # (block index, block) already in memory
+    fresh: list[tuple[int, KVCacheBlock]]  # (block index, block) the files are read into
+    future: Future  # -> how many of `fresh`, from the first, were read, checked and copied
 
 
 class DiskPrefixCache:
@@ -207,80 +209,77 @@ class DiskPrefixCache:
         if num_blocks <= 0:
             return None
         hashes = self.kv.full_block_hashes(request, num_blocks * size)
+        resident: list[tuple[int, KVCacheBlock]] = []
         wanted: list[int] = []  # block indices, in chain order
         for index in range(num_blocks):
-            if pool.lookup(hashes[index], self._tokens(request, index)) is not None:
-                continue  # in memory
-            if not self.store.exists(hashes[index]):
-                break
-            wanted.append(index)
-        if not wanted:
-            return None
-        staging = torch.empty((len(wanted), *self.payload_shape), dtype=self.kv_caches[0][0].dtype)
-        digests = prefix_digests(hashes[0], request.all_token_ids, wanted[-1] + 1, size)
-        records = [BlockRecord(hashes[i], self._tokens(request, i), digests[i]) for i in wanted]
-        raw = staging.view(torch.uint8).numpy()  # [n, layers, 2, bytes]
-        future = self._reader.submit(self._read_blocks, records, raw)
-        return PendingLoad(request, hashes, wanted, staging, future)
-
-    def _read_blocks(self, records: list[BlockRecord], raw: np.ndarray) -> int:
-        """Reader thread: read and check the files in order into `raw`; how many of them,
-        from the first, passed (a missing or refused one ends the run: a chain)."""
-        for slot, record in enumerate(records):
-            if not self.store.read(record, raw[slot]):
-                return slot
-        return len(records)
-
-    def finish_load(self, pending: PendingLoad) -> int:
-        """Engine thread, once `pending.future` is done: put the blocks read into fresh
-        blocks, registered under their hashes and freed to the cached end of the free queue;
-        the scheduler then hits them like any other. Returns the tokens loaded."""
-        try:
-            return self._finish_load(pending)
-        except Exception:
-            logger.exception("prefix cache: loading from %s failed; computing instead", self.folder)
-            return 0
-
-    def _finish_load(self, pending: PendingLoad) -> int:
-        num_read = pending.future.result()
-        if num_read == 0:
-            return 0
-        request, hashes, pool = pending.request, pending.hashes, self.kv.pool
-        slot_of = {index: slot for slot, index in enumerate(pending.wanted[:num_read])}
-        # The chain again: memory may have dropped or gained blocks while the files were read.
-        resident: list[tuple[int, KVCacheBlock]] = []
-        loaded: list[int] = []
-        for index in range(pending.wanted[num_read - 1] + 1):
             block = pool.lookup(hashes[index], self._tokens(request, index))
             if block is not None:
                 resident.append((index, block))
-            elif index in slot_of:
-                loaded.append(index)
+            elif self.store.exists(hashes[index]):
+                wanted.append(index)
             else:
-                break  # a block memory held is gone: the chain ends before it
-        if not loaded:
-            return 0
-        # Hold the resident blocks meanwhile, so that taking fresh ones cannot evict them.
+                break
+        # Hold the resident blocks first, so that taking fresh ones cannot evict them.
         pool.touch([block for _, block in resident])
+        held = [block for _, block in reversed(resident)]  # freed prefix-last if it fails
+        wanted = wanted[: pool.num_free_blocks]
+        if not wanted:
+            pool.free_blocks(held)
+            return None
         fresh: list[KVCacheBlock] = []
         try:
-            loaded = loaded[: pool.num_free_blocks]
-            fresh = pool.get_new_blocks(len(loaded))
-            slots = torch.tensor([slot_of[index] for index in loaded])
-            scatter_blocks(self.kv_caches, [b.block_id for b in fresh], pending.staging[slots])
-            for index, block in zip(loaded, fresh):
-                pool.cache_block(block, hashes[index], self._tokens(request, index))
-                self._remember_on_disk(hashes[index])
+            fresh = pool.get_new_blocks(len(wanted))  # held, unhashed: nobody else writes them
+            digests = prefix_digests(hashes[0], request.all_token_ids, wanted[-1] + 1, size)
+            records = [BlockRecord(hashes[i], self._tokens(request, i), digests[i]) for i in wanted]
+            future = self._reader.submit(self._read_blocks, records, [b.block_id for b in fresh])
         except BaseException:
-            for block in fresh:  # their contents are not what their hash says
-                pool.uncache(block)
+            pool.free_blocks([*fresh, *held])
             raise
+        return PendingLoad(request, hashes, resident, list(zip(wanted, fresh)), future)
+
+    def _read_blocks(self, records: list[BlockRecord], block_ids: list[int]) -> int:
+        """Reader thread: read and check the files in chain order, and copy those that pass
+        into their blocks of the KV cache (held by the PendingLoad: nothing else touches
+        them). How many of them, from the first, passed (a missing or refused one ends the
+        run: a chain)."""
+        staging = torch.empty((len(records), *self.payload_shape), dtype=self.kv_caches[0][0].dtype)
+        raw = staging.view(torch.uint8).numpy()  # [n, layers, 2, bytes]
+        passed = len(records)
+        for slot, record in enumerate(records):
+            if not self.store.read(record, raw[slot]):
+                passed = slot
+                break
+        if passed:
+            scatter_blocks(self.kv_caches, block_ids[:passed], staging[:passed])
+        return passed
+
+    def finish_load(self, pending: PendingLoad) -> int:
+        """Engine thread, once `pending.future` is done: register the blocks read under
+        their hashes and free every block the load held (the chain's to the cached end of
+        the free queue); the scheduler then hits them like any other. Returns the tokens
+        loaded."""
+        pool = self.kv.pool
+        loaded: list[tuple[int, KVCacheBlock]] = []
+        try:
+            num_read = pending.future.result()
+            loaded = pending.fresh[:num_read]
+            for index, block in loaded:
+                pool.cache_block(block, pending.hashes[index], self._tokens(pending.request, index))
+                self._remember_on_disk(pending.hashes[index])
+        except Exception:
+            logger.exception("prefix cache: loading from %s failed; computing instead", self.folder)
+            for _, block in loaded:  # their contents may not be what their hashes say
+                pool.uncache(block)
+            loaded = []
         finally:
-            chain = sorted(resident + list(zip(loaded, fresh)), key=lambda pair: pair[0])
-            pool.free_blocks(reversed([block for _, block in chain]))  # the prefix stays longest
-        self.loaded_tokens += len(fresh) * self.kv.block_size
-        logger.debug("prefix cache: %d blocks of %s read from disk", len(fresh), request.request_id)
-        return len(fresh) * self.kv.block_size
+            unread = [block for _, block in pending.fresh[len(loaded) :]]
+            chain = sorted(pending.resident + loaded, key=lambda pair: pair[0])
+            pool.free_blocks([*unread, *reversed([block for _, block in chain])])
+        self.loaded_tokens += len(loaded) * self.kv.block_size
+        logger.debug(
+            "prefix cache: %d blocks of %s read from disk", len(loaded), pending.request.request_id
+        )
+        return len(loaded) * self.kv.block_size
 
     # ------------------------------------------------------------------ write
     def _count_hits(self, request: Request, hits: list[KVCacheBlock]) -> None:

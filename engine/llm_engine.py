@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from typing import Any
 
@@ -54,8 +54,10 @@ class LLMEngine(EngineParts):
             self.stat_loggers.append(LoggingStatLogger(config.log_stats_interval))
         # save_prefix(request_id) before its request arrives: the futures its save fulfils.
         self._saves_on_arrival: dict[str, Future] = {}
-        # Requests whose prefix blocks are being read from disk, not scheduled yet.
+        # Requests whose prefix blocks are being read from disk, not scheduled yet; and the
+        # reads of requests aborted meanwhile (their blocks are freed once the read ends).
         self._loading: dict[str, tuple[RequestGroup, PendingLoad]] = {}
+        self._abandoned_loads: list[PendingLoad] = []
 
     # ----------------------------------------------------------- request flow
     def add_request(self, request: EngineRequest) -> None:
@@ -81,8 +83,12 @@ class LLMEngine(EngineParts):
         else can run, wait a little for the first of them (a step with no work would only
         spin); commands such as aborts are still taken between those waits."""
         if not self.scheduler.has_unfinished():
-            _, first = next(iter(self._loading.values()))
-            wait([first.future], timeout=LOAD_WAIT_SECONDS)
+            pendings = [pending for _, pending in self._loading.values()] + self._abandoned_loads
+            wait([pending.future for pending in pendings], timeout=LOAD_WAIT_SECONDS,
+                 return_when=FIRST_COMPLETED)  # fmt: skip
+        for pending in [p for p in self._abandoned_loads if p.future.done()]:
+            self._abandoned_loads.remove(pending)
+            self.disk_cache.finish_load(pending)  # type: ignore[union-attr]
         for request_id, (group, pending) in list(self._loading.items()):
             if not pending.future.done():
                 continue
@@ -96,17 +102,19 @@ class LLMEngine(EngineParts):
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        self._loading.pop(request_id, None)  # its blocks' read finishes unused
+        loading = self._loading.pop(request_id, None)
+        if loading is not None:  # the reader still writes its blocks: freed once it is done
+            self._abandoned_loads.append(loading[1])
         for child in group.children:
             self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
         return self._make_output(group)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or bool(self._abandoned_loads)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return the outputs of requests that changed."""
-        if self._loading:
+        if self._loading or self._abandoned_loads:
             self._admit_loaded()
         out = self.scheduler.schedule()
         iteration = IterationStats(
