@@ -70,7 +70,7 @@ class LLMEngine(EngineParts):
             saved = self._saves_on_arrival.pop(request.request_id, None)
             if saved is not None:
                 self.disk_cache.save_when_computed(group.children[0], saved)
-            # The siblings share the prompt, so its blocks: read for the first one.
+            # The samples of n > 1 share the prompt: its blocks are read once, for the first.
             pending = self.disk_cache.begin_load(group.children[0])
             if pending is not None:  # scheduled once its blocks are read (_admit_loaded)
                 self._loading[request.request_id] = (group, pending)
@@ -79,9 +79,10 @@ class LLMEngine(EngineParts):
             self.scheduler.add_request(child)
 
     def _admit_loaded(self) -> None:
-        """Schedule the requests whose prefix blocks have been read from disk. When nothing
-        else can run, wait a little for the first of them (a step with no work would only
-        spin); commands such as aborts are still taken between those waits."""
+        """Schedule the requests whose prefix blocks have been read from disk, and free the
+        blocks of reads whose request was aborted. When nothing else can run, wait a little
+        for any read to end (a step with no work would only spin); commands such as aborts
+        are still taken between those waits."""
         if not self.scheduler.has_unfinished():
             pendings = [pending for _, pending in self._loading.values()] + self._abandoned_loads
             wait([pending.future for pending in pendings], timeout=LOAD_WAIT_SECONDS,
