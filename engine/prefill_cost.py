@@ -44,29 +44,28 @@ MIN_CHUNK_TOKENS = 16
 class PrefillCost:
     """The cost model of one model on one device (see the module's docstring)."""
 
-    # Per layer: (attention units per key, the layer's window or None), the units being
-    # one token's linears, the device's slowdown already folded in.
-    layer_units_per_key: tuple[tuple[float, int | None], ...]
+    # (attention units per key, window or None) per distinct window, the layers of one
+    # window summed; a unit is one token's linears, the device's slowdown folded in.
+    units_per_key_by_window: tuple[tuple[float, int | None], ...]
 
     @classmethod
     def for_model(cls, config: ModelConfig, device_type: str) -> PrefillCost:
         slowdown = ATTENTION_SLOWDOWN.get(device_type, 1.0)
         linears = sum(_linear_flops(config, layer) for layer in range(config.num_layers))
         # QK^T and PV: 2 FLOPs per multiply-add, head_dim each, for every query head.
-        attention_per_key = 4.0 * config.num_heads * config.head_dim * slowdown
-        return cls(
-            tuple(
-                (attention_per_key / linears, config.layer_sliding_window(layer))
-                for layer in range(config.num_layers)
-            )
-        )
+        per_layer = 4.0 * config.num_heads * config.head_dim * slowdown / linears
+        by_window: dict[int | None, float] = {}
+        for layer in range(config.num_layers):
+            window = config.layer_sliding_window(layer)
+            by_window[window] = by_window.get(window, 0.0) + per_layer
+        return cls(tuple((per_key, window) for window, per_key in by_window.items()))
 
     def units(self, num_tokens: int, depth: int) -> float:
         """Token units of a chunk of `num_tokens` prompt tokens that starts at `depth`."""
         mean_keys = depth + num_tokens / 2
         attention = sum(
             per_key * (mean_keys if window is None else min(mean_keys, window))
-            for per_key, window in self.layer_units_per_key
+            for per_key, window in self.units_per_key_by_window
         )
         return num_tokens * (1.0 + attention)
 
