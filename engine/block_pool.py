@@ -241,3 +241,19 @@ class BlockPool:
             assert (block.ref_cnt == 0) == (block.block_id in free_ids), block
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, block
+
+
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in ids, first id, length) of each run of ids that count up by one:
+    [3, 4, 5, 9] -> [(0, 3, 3), (3, 9, 1)].
+
+    Blocks move run by run, one slice copy (or one madvise) per run and layer: torch's
+    index_select and index_copy_ on bf16 CPU tensors run at a tenth of memcpy speed, and
+    blocks come off the free queues mostly in order."""
+    runs: list[tuple[int, int, int]] = []
+    for position, value in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((position, value, 1))
+    return runs

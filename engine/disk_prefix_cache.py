@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .block_pool import KVCacheBlock
+from .block_pool import KVCacheBlock, consecutive_runs
 from .kv_cache_manager import KVCacheManager
 from .kv_fingerprint import kv_fingerprint
 from .prefix_store import BlockRecord, PrefixStore, prefix_digests
@@ -62,21 +62,6 @@ logger = logging.getLogger(__name__)
 PERSIST_AFTER_HITS = 2  # "prompts that were hit more than once"
 _MAX_COUNTED_BLOCKS = 1 << 16  # per-block hit counts kept (least recently hit dropped)
 _MAX_KNOWN_ON_DISK = 1 << 20
-
-
-def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(position in block_ids, first block id, length) of each run of consecutive ids.
-
-    Blocks move run by run, one slice copy per run and layer: torch's index_select and
-    index_copy_ on bf16 CPU tensors run at a tenth of memcpy speed, and fresh blocks come
-    off the free queue mostly in order."""
-    runs: list[tuple[int, int, int]] = []
-    for position, block_id in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block_id:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((position, block_id, 1))
-    return runs
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -96,7 +81,7 @@ def gather_blocks(
     """Copy blocks out of the KV cache: [n, layers, 2, elements of one block] on the CPU."""
     k0 = kv_caches[0][0]
     out = torch.empty((len(block_ids), len(kv_caches), 2, k0[0].numel()), dtype=k0.dtype)
-    for position, first, length in _runs(block_ids):
+    for position, first, length in consecutive_runs(block_ids):
         rows = out[position : position + length]
         for layer, (k, v) in enumerate(kv_caches):
             _copy(rows[:, layer, 0], k[first : first + length].reshape(length, -1).cpu())
@@ -109,7 +94,7 @@ def scatter_blocks(
 ) -> None:
     """Write blocks into the KV cache: data [n, layers, 2, elements] from gather_blocks."""
     data = data.to(kv_caches[0][0].device)
-    for position, first, length in _runs(block_ids):
+    for position, first, length in consecutive_runs(block_ids):
         rows = data[position : position + length]
         for layer, (k, v) in enumerate(kv_caches):
             _copy(k[first : first + length].view(length, -1), rows[:, layer, 0])

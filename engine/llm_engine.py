@@ -282,6 +282,7 @@ class LLMEngine(EngineParts):
             swapped_blocks_disk=swapped_disk,
             blocks_swapped_out=self.scheduler.num_blocks_swapped_out,
             blocks_swapped_in=self.scheduler.num_blocks_swapped_in,
+            blocks_swap_read_ahead=self.scheduler.num_blocks_read_ahead,
             kv_disk_blocks=kv.pool.num_disk_blocks_in_use,
             kv_disk_blocks_taken=kv.pool.num_disk_blocks_taken,
             kv_disk_block_reads=runner.kv_disk_block_reads if runner is not None else 0,

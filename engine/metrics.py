@@ -32,11 +32,13 @@ class SchedulerStats:
     prefix_cache_disk_loaded: int = 0
     prefix_cache_disk_written: int = 0
     # Swap space (engine/swap_space.py): blocks of swapped-out requests in each tier now,
-    # and cumulative blocks copied out of and back into the KV cache.
+    # cumulative blocks copied out of and back into the KV cache, and disk blocks read
+    # ahead of their request's resumption.
     swapped_blocks_host: int = 0
     swapped_blocks_disk: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+    blocks_swap_read_ahead: int = 0
     # KV disk tier (engine/kv_disk_tier.py): its blocks held by requests now, and
     # cumulative blocks handed out from it (spilled past memory) and read by steps, and
     # cached memory blocks moved into it rather than dropped from the prefix cache.
@@ -219,6 +221,7 @@ class EngineCounters:
                 "swapped_blocks_disk": s.swapped_blocks_disk,
                 "blocks_swapped_out": s.blocks_swapped_out,
                 "blocks_swapped_in": s.blocks_swapped_in,
+                "blocks_swap_read_ahead": s.blocks_swap_read_ahead,
                 "kv_disk_blocks": s.kv_disk_blocks,
                 "kv_disk_blocks_taken": s.kv_disk_blocks_taken,
                 "kv_disk_block_reads": s.kv_disk_block_reads,

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import mmap
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -239,7 +240,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int], PooledParts]:
         """Run one step; returns logits [N, vocab] (float32), the rows they belong to, and
         what the step's rows add to each embedding request (engine/pooling.py)."""
-        self.swap(out.swap_out, out.swap_in)
+        self.swap(out.swap_out, out.swap_in, out.swap_ahead)
         input_ids, positions, meta, logits_indices, sampled_rows = self.prepare(out, block_ids)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         pooled = pool_step(hidden, out.scheduled) if out.num_pooling else {}
@@ -268,11 +269,15 @@ class ModelRunner:
         self,
         swap_out: list[tuple[list[int], list[int]]],
         swap_in: list[tuple[list[int], list[int]]],
+        swap_ahead: Sequence[int] = (),
     ) -> None:
-        """Copy preempted requests' blocks to swap space, and resumed ones back.
+        """Copy preempted requests' blocks to swap space, and resumed ones back; then
+        start reading ahead the disk slots of the requests expected to resume next.
 
-        Each entry is (block ids in the KV cache, slots in the swap space's tiers)."""
+        Each swap entry is (block ids in the KV cache, slots in the swap space's tiers)."""
         for block_ids, slots in swap_out:
             self.swap_space.store(self.kv_caches, block_ids, slots)
         for block_ids, slots in swap_in:
             self.swap_space.load(self.kv_caches, block_ids, slots)
+        if swap_ahead:
+            self.swap_space.read_ahead(swap_ahead)

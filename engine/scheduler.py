@@ -8,7 +8,9 @@ free blocks allow. While streams decode, a prefill chunk is also cut to what the
 buys at its depth in the prompt (engine/prefill_cost.py: deep chunks cost more attention),
 so a decoding stream's step stays short. When blocks run out the lowest-ranked running
 request is preempted (recomputed later, or swapped to host memory when `swap_space`
-allows).
+allows, then to disk with `swap_disk_space`). The disk blocks of the swapped requests next
+in line to resume are read ahead (`SchedulerOutput.swap_ahead`), so that their swap-in
+finds them in memory rather than waiting on the disk.
 
 With speculative decoding a decoding request also runs its draft tokens (a proposer's
 guesses of the tokens after its last one): they take budget and KV slots like any token,
@@ -79,6 +81,9 @@ class Scheduler:
         self.swapped: dict[str, list[int]] = {}
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
+        # Swapped requests whose disk slots were read ahead (once each; see _read_ahead).
+        self._read_ahead_ids: set[str] = set()
+        self.num_blocks_read_ahead = 0
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- intake
@@ -169,6 +174,8 @@ class Scheduler:
             budget = self._admit_waiting(out, budget, shares, units)
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if self.swap.disk_blocks and self.swapped:
+            self._read_ahead(out)
         now = time.monotonic()
         for item in out.scheduled:
             if item.request.first_scheduled_time is None:
@@ -300,6 +307,30 @@ class Scheduler:
 
     def _release_swap_slots(self, request_id: str) -> None:
         self.free_swap_slots.give_back(self.swapped.pop(request_id, []))
+        self._read_ahead_ids.discard(request_id)
+
+    def _read_ahead(self, out: SchedulerOutput) -> None:
+        """Ask for the disk slots of the swapped requests next in line (waiting order)
+        to be read into memory during this step, once per swap-out: those whose blocks,
+        with the swapped blocks ahead of them in line, fit in the KV cache, i.e. what could
+        come back into it next. Not in the step that swaps a request out: its pages were
+        just written. The reads are the kernel's (a hint: see SwapSpace.read_ahead); the
+        swap-in itself stays where it was, before the step that resumes the request."""
+        room = self.kv.pool.num_blocks
+        just_out = {request.request_id for request in out.preempted}
+        for request in self.waiting:
+            slots = self.swapped.get(request.request_id)
+            if slots is None:
+                continue
+            room -= len(slots)
+            if room < 0:
+                break
+            if request.request_id in self._read_ahead_ids or request.request_id in just_out:
+                continue
+            self._read_ahead_ids.add(request.request_id)
+            on_disk = [slot for slot in slots if self.swap.is_on_disk(slot)]
+            out.swap_ahead += on_disk
+            self.num_blocks_read_ahead += len(on_disk)
 
     def swapped_blocks(self) -> tuple[int, int]:
         """KV blocks of swapped-out requests now in host memory, and on disk."""

@@ -31,6 +31,8 @@ class SchedulerOutput:
     # (block ids on device, slots in the host swap space) to copy before the forward pass.
     swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
     swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    # Disk swap slots of requests expected to resume soon: read them ahead (a hint).
+    swap_ahead: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tokens among num_batched_tokens
     num_pooling: int = 0  # embedding requests among scheduled (they sample no token)
 

@@ -6,8 +6,10 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from pagedllm_integrations import LLM, AsyncEngine, RequestOutputKind, SamplingParams
+from pagedllm_integrations.engine.swap_space import SwapPlan, SwapSpace
 from pagedllm_integrations.engine.white_box import core_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -128,10 +130,57 @@ def test_swapping_preempted_requests_to_disk_keeps_outputs_and_leaves_no_file(
         assert stats["num_preemptions"] > 0
         assert stats["blocks_swapped_out"] > 0
         assert stats["blocks_swapped_in"] == stats["blocks_swapped_out"]
+        # Requests waiting for their turn had their blocks read ahead of the swap-in.
+        assert 0 < stats["blocks_swap_read_ahead"] <= stats["blocks_swapped_out"]
         assert (stats["swapped_blocks_host"], stats["swapped_blocks_disk"]) == (0, 0)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert all_blocks_free(tight.engine)
         assert list(swap_dir.iterdir()) == []  # the swap file has no name, even while in use
+
+
+class _MadviseLog:
+    """Stands in for the swap file's mmap and records each madvise call."""
+
+    def __init__(self, mapping):
+        self.mapping, self.calls = mapping, []
+
+    def madvise(self, option, start, length):
+        self.calls.append((option, start, length))
+        self.mapping.madvise(option, start, length)  # the real call must accept it too
+
+    def close(self):
+        self.mapping.close()
+
+
+def test_read_ahead_asks_for_the_pages_of_the_named_disk_slots_in_every_layer(tmp_path):
+    import mmap
+
+    plan = SwapPlan(host_blocks=2, disk_blocks=40, disk_dir=str(tmp_path))
+    k_shape, v_shape = (10, 16, 2, 8), (10, 16, 2, 16)  # v rows twice k's: two row sizes
+    space = SwapSpace(plan, k_shape, v_shape, num_layers=3, dtype=torch.float32)
+    log = space._mapping = _MadviseLog(space._mapping)
+    base = space._disk_base
+    space.read_ahead([0, 1])  # host slots: nothing to read
+    assert log.calls == []
+    slots = [5, 6, 7, 20, 41]  # tier slots 3, 4, 5, 18, 39: two runs and a single
+    space.read_ahead(slots)
+    ranges = [(start, start + length) for _, start, length in log.calls]
+    assert all(option == mmap.MADV_WILLNEED for option, _, _ in log.calls)
+    assert all(start % mmap.PAGESIZE == 0 for start, _ in ranges)
+    assert len(ranges) == 3 * 3 * 2  # runs x layers x (key, value)
+    wanted = []
+    for k, v in space.disk:
+        for tensor in (k, v):
+            row = tensor[0].numel() * tensor.element_size()
+            for slot in slots:
+                first = tensor.data_ptr() - base + (slot - plan.host_blocks) * row
+                wanted.append((first, first + row))
+    for first, end in wanted:  # every byte of every named slot is asked for
+        assert any(start <= first and end <= stop for start, stop in ranges), (first, end)
+    for start, stop in ranges:  # and nothing more: each ends where a named slot ends and
+        assert any(stop == end for _, end in wanted)  # starts less than a page before one
+        assert any(0 <= first - start < mmap.PAGESIZE for first, _ in wanted)
+    space.close()
 
 
 def test_swap_settings_that_cannot_work_are_refused(tiny_llama_dir, tmp_path):

@@ -83,7 +83,7 @@ def test_swap_tiers_and_the_kv_disk_tier_reach_prometheus_and_top():
     assert "kv disk" not in top.render("http://x", None, before)
     stats = SchedulerStats(
         swapped_blocks_host=3, swapped_blocks_disk=5, blocks_swapped_out=12, blocks_swapped_in=4,
-        kv_disk_blocks=7, kv_disk_blocks_taken=20, kv_disk_block_reads=90,
+        blocks_swap_read_ahead=6, kv_disk_blocks=7, kv_disk_blocks_taken=20, kv_disk_block_reads=90,
         kv_disk_blocks_demoted=33,
     )  # fmt: skip
     logger.record(stats, IterationStats())
@@ -94,6 +94,8 @@ def test_swap_tiers_and_the_kv_disk_tier_reach_prometheus_and_top():
     screen = top.render("http://x", None, top.parse_metrics(text, at=1.0))
     swap = next(line for line in screen.splitlines() if line.startswith("swap"))
     assert "host      3" in swap and "disk      5" in swap and "out 12, back in 4" in swap
+    assert "(read ahead 6)" in swap
+    assert 'pagedllm:kv_blocks_swap_read_ahead_total{model_name="m"} 6.0' in text
     assert 'pagedllm:kv_disk_tier_block_reads_total{model_name="m"} 90.0' in text
     tier = next(line for line in screen.splitlines() if line.startswith("kv disk"))
     assert "in use      7" in tier and "taken 20, read by steps 90" in tier

@@ -138,6 +138,30 @@ def test_swap_fills_host_slots_before_disk_slots_and_counts_both_ways():
     assert scheduler.free_swap_slots.take(2) == [0, 1]  # host memory's slot first again
 
 
+def test_disk_slots_of_a_swapped_request_are_read_ahead_once_before_it_resumes():
+    swap = SwapPlan(host_blocks=1, disk_blocks=8, disk_dir="unused-by-the-scheduler")
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False, swap=swap)
+    for r in [make_request(f"r{i}", 7, max_tokens=6, start=100 * i) for i in range(3)]:
+        scheduler.add_request(r)
+    run_step(scheduler)
+    run_step(scheduler)
+    out = run_step(scheduler)
+    ((_, slots),) = out.swap_out
+    assert out.swap_ahead == []  # its pages were written in this very step
+    read_ahead, resumed_at, step = [], None, 0
+    while scheduler.has_unfinished():
+        out = run_step(scheduler)
+        step += 1
+        read_ahead.append(out.swap_ahead)
+        if out.swap_in and resumed_at is None:
+            resumed_at = step
+    disk_slots = [slot for slot in slots if swap.is_on_disk(slot)]
+    assert read_ahead[0] == disk_slots  # the next step, before the swap-in
+    assert resumed_at is not None and resumed_at > 1
+    assert [slot for step in read_ahead for slot in step] == disk_slots  # once, not again
+    assert scheduler.num_blocks_read_ahead == len(disk_slots)
+
+
 def test_priority_policy_serves_urgent_requests_first_and_preempts_the_least_urgent():
     scheduler = make_scheduler(max_seqs=1, policy="priority")
     scheduler.add_request(make_request("low", 3, priority=5))

@@ -362,6 +362,7 @@ def test_metrics_parse_with_vllm_names(server, client):
         "kv_swapped_blocks_disk",
         "kv_blocks_swapped_out",
         "kv_blocks_swapped_in",
+        "kv_blocks_swap_read_ahead",
         "kv_disk_tier_blocks",
         "kv_disk_tier_blocks_taken",
         "kv_disk_tier_block_reads",

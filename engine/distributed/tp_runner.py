@@ -281,13 +281,14 @@ class TensorParallelExecutor:
             backend=self.attention_backend,
             swap_out=out.swap_out,
             swap_in=out.swap_in,
+            swap_ahead=out.swap_ahead,
             **fields,
         )
 
         def run() -> torch.Tensor:
             self._broadcast_header(header)
             dist.broadcast(packed, src=0)
-            runner.swap(out.swap_out, out.swap_in)
+            runner.swap(out.swap_out, out.swap_in, out.swap_ahead)
             return runner.forward(input_ids, positions, meta, logits_indices)
 
         return self._guarded(run), sampled_rows, {}

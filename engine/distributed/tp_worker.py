@@ -203,7 +203,9 @@ def _serve(model: CausalLM, spec: RankSpec, device: torch.device) -> None:
             assert runner is not None, "execute before allocate"
             packed = torch.empty(packed_numel(header), dtype=torch.int64, device=device)
             dist.broadcast(packed, src=0)
-            runner.swap(header.get("swap_out", []), header.get("swap_in", []))
+            runner.swap(
+                header.get("swap_out", []), header.get("swap_in", []), header.get("swap_ahead", [])
+            )
             input_ids, positions, meta = unpack_step(packed, header, header["backend"])
             runner.forward(input_ids, positions, meta, logits_indices=None)
         elif op == "allocate":

@@ -92,6 +92,10 @@ class PrometheusStatLogger:
         self.swapped_in = counter(
             "kv_blocks_swapped_in", "KV blocks copied from swap space back to the cache."
         )
+        self.swap_read_ahead = counter(
+            "kv_blocks_swap_read_ahead",
+            "Disk swap blocks read ahead of their request's resumption.",
+        )
         self.kv_disk_blocks = gauge(
             "kv_disk_tier_blocks", "KV blocks of running requests in the KV disk tier's file."
         )
@@ -188,8 +192,8 @@ class PrometheusStatLogger:
         self._spec_total = SpecDecodingStats()
         self._lock = threading.Lock()
         # prefix queries, prefix hits, preemptions, disk-loaded and disk-written tokens,
-        # blocks swapped out and in, disk-tier blocks taken and read
-        self._last_cumulative: tuple[int, ...] = (0,) * 10
+        # blocks swapped out, in and read ahead, disk-tier blocks taken, read and demoted
+        self._last_cumulative: tuple[int, ...] = (0,) * 11
 
     # ----------------------------------------------------- engine thread, every step
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
@@ -245,6 +249,7 @@ class PrometheusStatLogger:
             scheduler.prefix_cache_disk_written,
             scheduler.blocks_swapped_out,
             scheduler.blocks_swapped_in,
+            scheduler.blocks_swap_read_ahead,
             scheduler.kv_disk_blocks_taken,
             scheduler.kv_disk_block_reads,
             scheduler.kv_disk_blocks_demoted,
@@ -258,6 +263,7 @@ class PrometheusStatLogger:
         cumulative = (
             self.prefix_queries, self.prefix_hits, self.preemptions,
             self.disk_loaded, self.disk_written, self.swapped_out, self.swapped_in,
+            self.swap_read_ahead,
             self.kv_disk_taken, self.kv_disk_reads, self.kv_disk_demoted,
         )  # fmt: skip
         for metric, delta in zip(cumulative, deltas):

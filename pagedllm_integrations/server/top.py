@@ -137,7 +137,8 @@ def render(url: str, previous: Snapshot | None, current: Snapshot) -> str:
         lines.append(
             f"swap       waiting blocks: host {int(current.get('kv_swapped_blocks_host')):>6}   "
             f"disk {int(current.get('kv_swapped_blocks_disk')):>6}   copied out "
-            f"{int(swapped_out)}, back in {int(current.get('kv_blocks_swapped_in_total'))}"
+            f"{int(swapped_out)}, back in {int(current.get('kv_blocks_swapped_in_total'))} "
+            f"(read ahead {int(current.get('kv_blocks_swap_read_ahead_total') or 0)})"
         )
     taken = current.get("kv_disk_tier_blocks_taken_total")
     demoted = current.get("kv_disk_tier_blocks_demoted_total")
