@@ -43,10 +43,11 @@
 // of the chunk, else the next chunk, else the first chunk of the next item. Only where
 // the bytes sit changes, never the arithmetic.
 //
-// The vector kernels exist for AVX-512 and for AVX2 (8-lane vectors, 16 registers): the
-// AVX2 code runs, lane for lane, the AVX-512 code's float32 operations in its order (a
-// 16-lane vector is a pair of 8-lane halves, summed as reduce16 sums), so a row gets the
-// same bits on either; only how many vectors are in registers at once differs. On
+// The vector kernels are written once, over a small vector type (VecF below: 16 lanes on
+// AVX-512, 8 on AVX2 with 16 registers): a group of 16 key positions or dimensions is one
+// vector or a pair, every lane runs the same float32 operations in the same order, and
+// cross-lane sums are reduce16's, so a row gets the same bits on either; only how many
+// vectors are in registers at once differs (kTileGroups, kSliceGroups). On
 // AVX512-BF16 CPUs every row over a bf16 cache adds each pair of terms with one vdpbf16ps,
 // the same bits as the FMAs elsewhere: rows that read in place permute what they read
 // into the instruction's pairs (attend_chunk_in_place_bf16), and larger items load each
@@ -80,10 +81,199 @@ constexpr int64_t kInPlaceRows = 8;  // items of up to this many rows read the c
 constexpr int64_t kSequencesPerThread = 4;  // from this many per thread, items span all heads
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+#ifdef PAGEDLLM_VECTOR_ATTENTION
+// -------------------------------------------------------------------- the vector type
+// The vector kernels below are written once, over VecF: one hardware vector of float32
+// lanes (16 on AVX-512, 8 on AVX2) and the few operations the kernels need. The recipe is
+// stated per group of 16 lanes (16 key positions of a chunk, or 16 dimensions of an
+// output): on AVX-512 a group is one VecF, on AVX2 kParts = 2 of them (lanes 0..7 and
+// 8..15). Every lane runs the same float32 operations in the same order on both, and what
+// is summed across lanes (a chunk's total) is kept as 16 lanes and reduced by reduce16, so
+// a row gets the same bits on either. Only this section differs per instruction set, and
+// the two numbers of how much stays in registers at once (kTileGroups, kSliceGroups).
 #ifdef PAGEDLLM_AVX512
-inline float exp_scalar(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
-#elif defined(PAGEDLLM_AVX2)
-inline float exp_scalar(float x) { return _mm256_cvtss_f32(exp256(_mm256_set1_ps(x))); }
+struct VecF {
+  __m512 v;
+};
+constexpr int kLanes = 16;
+inline VecF vzero() { return {_mm512_setzero_ps()}; }
+inline VecF vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline VecF vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, VecF a) { _mm512_storeu_ps(p, a.v); }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline VecF vmul(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VecF vadd(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline VecF vsub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline VecF vdiv(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline VecF vexp(VecF a) { return {exp512(a.v)}; }
+inline VecF vtanh(VecF a) { return {tanh512(a.v)}; }
+inline float vfirst(VecF a) { return _mm512_cvtss_f32(a.v); }
+inline float vreduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
+// Lanes of `a` (chunk lanes first_lane ..) outside [lo, hi) set to -inf.
+inline VecF vmask_outside(VecF a, int64_t first_lane, int64_t lo, int64_t hi) {
+  const __m512i lane = _mm512_add_epi32(
+      _mm512_set1_epi32(static_cast<int>(first_lane)),
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __mmask16 visible =
+      _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(lo))) &
+      _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(hi)));
+  return {_mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, a.v)};
+}
+// Rounded to bf16 (to nearest, ties to even), held in float32.
+inline VecF vround_to_bf16(VecF a) {
+  const __m512i bits = _mm512_castps_si512(a.v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return {_mm512_castsi512_ps(
+      _mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+// kLanes cache values from p in float32 (bf16 widens exactly: a 16-bit shift).
+inline VecF vload_cache(const float* p) { return vload(p); }
+inline VecF vload_cache(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+#else  // PAGEDLLM_AVX2
+struct VecF {
+  __m256 v;
+};
+constexpr int kLanes = 8;
+inline VecF vzero() { return {_mm256_setzero_ps()}; }
+inline VecF vset1(float x) { return {_mm256_set1_ps(x)}; }
+inline VecF vload(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void vstore(float* p, VecF a) { _mm256_storeu_ps(p, a.v); }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline VecF vmul(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline VecF vadd(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline VecF vsub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline VecF vdiv(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline VecF vexp(VecF a) { return {exp256(a.v)}; }
+inline VecF vtanh(VecF a) { return {tanh256(a.v)}; }
+inline float vfirst(VecF a) { return _mm256_cvtss_f32(a.v); }
+inline float vreduce_max(VecF a) { return reduce_max8(a.v); }
+inline VecF vmask_outside(VecF a, int64_t first_lane, int64_t lo, int64_t hi) {
+  const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first_lane)),
+                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i visible =
+      _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(lo) - 1)),
+                       _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(hi)), lane));
+  return {_mm256_blendv_ps(_mm256_set1_ps(kNegInf), a.v, _mm256_castsi256_ps(visible))};
+}
+inline VecF vround_to_bf16(VecF a) {
+  const __m256i bits = _mm256_castps_si256(a.v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return {_mm256_castsi256_ps(
+      _mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+inline VecF vload_cache(const float* p) { return vload(p); }
+inline VecF vload_cache(const bf16* p) { return {load8_float(p)}; }
+#endif
+// `a`, held in a register from here: its loads are not folded into the instructions that
+// use it. A key or a value serves NV FMAs; folded, GCC loaded it NV times (as a memory
+// operand of each), and the score loop of 3 query vectors became bound by loads: 15 a
+// step against 7, and a prompt's attention ~20% slower (AVX-512 without BF16).
+inline VecF in_register(VecF a) {
+  asm("" : "+v"(a.v));
+  return a;
+}
+
+constexpr int kParts = 16 / kLanes;         // VecFs per group of 16 lanes
+constexpr int kChunkVectors = kChunk / kLanes;  // VecFs per chunk of positions
+
+// The sum of a group of 16 lanes held as kParts vectors, paired as reduce16 pairs them.
+inline float vreduce16(const VecF (&parts)[kParts]) {
+#ifdef PAGEDLLM_AVX512
+  return reduce16(parts[0].v);
+#else
+  return reduce16(parts[0].v, parts[1].v);
+#endif
+}
+
+// Where 16 cache elements go in a group's kParts vectors. kInOrder: lanes in element order.
+// kEvenOdd (AVX2, bf16 only): the even elements 0, 2, .., 14 in part 0 and the odd ones in
+// part 1, from one 32-byte load, a shift (the low half of each 32-bit pair) and a mask (the
+// high half): half the conversion work, which otherwise competes with the FMAs for the same
+// ports. Every lane's arithmetic is untouched; only which lane holds which element differs,
+// undone (in_order) where sums leave registers, once per tile or slice, not once per key.
+enum class Lanes { kInOrder, kEvenOdd };
+template <typename CacheT>
+constexpr Lanes kLanesOf =
+    kParts == 2 && std::is_same_v<CacheT, bf16> ? Lanes::kEvenOdd : Lanes::kInOrder;
+
+// Part h of the 16 cache elements at p, in lane order L. Keys are loaded one part at a
+// time, so that one key vector at a time is live (on AVX2 the score tiles of 3 query
+// vectors need all 16 registers besides).
+template <Lanes L, typename CacheT>
+inline VecF load_part(const CacheT* p, int h) {
+  if constexpr (L == Lanes::kEvenOdd) {
+#ifdef PAGEDLLM_AVX2
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(
+        h == 0 ? _mm256_slli_epi32(raw, 16)
+               : _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+#endif
+  }
+  return vload_cache(p + kLanes * h);
+}
+
+// A group in lane order L -> element order (kEvenOdd: unpack and swap the middle halves).
+template <Lanes L>
+inline void in_order(VecF (&g)[kParts]) {
+#ifdef PAGEDLLM_AVX2
+  if constexpr (L == Lanes::kEvenOdd) {
+    const __m256 low = _mm256_unpacklo_ps(g[0].v, g[1].v);   // 0 1 2 3 | 8 9 10 11
+    const __m256 high = _mm256_unpackhi_ps(g[0].v, g[1].v);  // 4 5 6 7 | 12 13 14 15
+    g[0].v = _mm256_permute2f128_ps(low, high, 0x20);
+    g[1].v = _mm256_permute2f128_ps(low, high, 0x31);
+  }
+#else
+  (void)g;  // AVX-512 loads every cache in element order
+#endif
+}
+
+// Element order -> lane order L (in_order's inverse).
+template <Lanes L>
+inline void to_lane_order(VecF (&g)[kParts]) {
+#ifdef PAGEDLLM_AVX2
+  if constexpr (L == Lanes::kEvenOdd) {
+    // shuffles: 0 2 8 10 | 4 6 12 14 and 1 3 9 11 | 5 7 13 15; then 64-bit pairs 0 2 1 3
+    const __m256d even =
+        _mm256_castps_pd(_mm256_shuffle_ps(g[0].v, g[1].v, _MM_SHUFFLE(2, 0, 2, 0)));
+    const __m256d odd =
+        _mm256_castps_pd(_mm256_shuffle_ps(g[0].v, g[1].v, _MM_SHUFFLE(3, 1, 3, 1)));
+    g[0].v = _mm256_castpd_ps(_mm256_permute4x64_pd(even, _MM_SHUFFLE(3, 1, 2, 0)));
+    g[1].v = _mm256_castpd_ps(_mm256_permute4x64_pd(odd, _MM_SHUFFLE(3, 1, 2, 0)));
+  }
+#else
+  (void)g;
+#endif
+}
+
+// How many groups of 16 lanes NV query vectors work on at once: kTileGroups<NV> groups of
+// keys for the scores (NV x kTileGroups x kParts sums, NV broadcast queries, a key) and
+// kSliceGroups<NV> groups of output dimensions (NV x kSliceGroups x kParts accumulators,
+// the values, a probability). With 32 registers (AVX-512) a whole chunk's scores and 64
+// dimensions fit for up to 6 vectors; with 16 (AVX2) the tiles shrink as NV grows, enough
+// independent FMA chains (6 to 12) to cover the FMA latency without spills. For SmolLM2's 3
+// query heads per KV head, one group of 3 with key tiles of 2 groups decoded about 20%
+// faster than groups of 2 and 1 on Zen 3. Which sums are in flight together changes with
+// these, never what a sum adds or in what order.
+#ifdef PAGEDLLM_AVX512
+template <int NV>
+constexpr int kTileGroups = kChunk / 16;
+template <int NV>
+constexpr int kSliceGroups = 4;
+#else
+template <int NV>
+constexpr int kTileGroups = NV == 1 ? 4 : NV <= 3 ? 2 : 1;
+template <int NV>
+constexpr int kSliceGroups = NV == 1 ? 4 : NV == 2 ? 2 : 1;
+#endif
+
+inline float exp_scalar(float x) { return vfirst(vexp(vset1(x))); }
 #else
 inline float exp_scalar(float x) { return x == kNegInf ? 0.f : std::exp(x); }
 #endif
@@ -135,22 +325,6 @@ inline void for_each_key(int64_t lo, int64_t hi, const Fn& fn) {
   }
 }
 
-#ifdef PAGEDLLM_AVX512
-inline __m512 round_to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-#endif
-#ifdef PAGEDLLM_AVX2
-inline __m256 round_to_bf16(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-#endif
 
 struct Geometry {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
@@ -232,14 +406,8 @@ inline void widen(const float* src, float* dst, int64_t n) { std::copy(src, src 
 
 inline void widen(const bf16* src, float* dst, int64_t n) {
   int64_t i = 0;
-#ifdef PAGEDLLM_AVX512
-  for (; i + 16 <= n; i += 16) {  // bf16 -> float32 is a 16-bit shift
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i,
-                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-  }
-#elif defined(PAGEDLLM_AVX2)
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_float(src + i));
+#ifdef PAGEDLLM_VECTOR_ATTENTION
+  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload_cache(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -274,57 +442,6 @@ template <bool kPaired>
 inline void attend_chunk(const float* q, const Scratch& s, int64_t d, int64_t lo, int64_t hi,
                          double soft_cap, float& running_max, float& running_sum, float* acc,
                          float* probs) {
-#ifdef PAGEDLLM_AVX512
-  if (d % 16 == 0) {
-    __m512 scores[kChunk / 16];
-    for (int t = 0; t < kChunk / 16; ++t) scores[t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; ++i) {
-      const int64_t x = term<kPaired>(i);
-      const __m512 qx = _mm512_set1_ps(q[x]);
-      for (int t = 0; t < kChunk / 16; ++t)
-        scores[t] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t),
-                                    scores[t]);
-    }
-    __m512 chunk_max = _mm512_set1_ps(running_max);
-    for (int t = 0; t < kChunk / 16; ++t) {
-      if (soft_cap > 0) {
-        const __m512 cap = _mm512_set1_ps(static_cast<float>(soft_cap));
-        scores[t] = _mm512_mul_ps(cap, tanh512(_mm512_div_ps(scores[t], cap)));
-      }
-      // lanes outside [lo, hi) are not this query's keys
-      const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(16 * t),
-                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                              11, 12, 13, 14, 15));
-      const __mmask16 visible =
-          _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(lo))) &
-          _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(hi)));
-      scores[t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, scores[t]);
-      chunk_max = _mm512_max_ps(chunk_max, scores[t]);
-    }
-    const float new_max = _mm512_reduce_max_ps(chunk_max);
-    const float correction = running_max == kNegInf ? 0.f : exp_scalar(running_max - new_max);
-    __m512 total = _mm512_setzero_ps();
-    for (int t = 0; t < kChunk / 16; ++t) {
-      __m512 p = exp512(_mm512_sub_ps(scores[t], _mm512_set1_ps(new_max)));
-      if constexpr (kPaired) p = round_to_bf16(p);
-      _mm512_storeu_ps(probs + 16 * t, p);
-      total = _mm512_add_ps(total, p);
-    }
-    running_sum = running_sum * correction + _mm512_reduce_add_ps(total);
-    running_max = new_max;
-    const __m512 corr = _mm512_set1_ps(correction);
-    for (int64_t x = 0; x < d; x += 16)
-      _mm512_storeu_ps(acc + x, _mm512_mul_ps(_mm512_loadu_ps(acc + x), corr));
-    for_each_key<kPaired>(lo, hi, [&](int64_t key) PAGEDLLM_INLINE {
-      const __m512 p = _mm512_set1_ps(probs[key]);
-      const float* v = s.values.data() + key * d;
-      for (int64_t x = 0; x < d; x += 16)
-        _mm512_storeu_ps(acc + x,
-                         _mm512_fmadd_ps(p, _mm512_loadu_ps(v + x), _mm512_loadu_ps(acc + x)));
-    });
-    return;
-  }
-#endif
   float scores[kChunk];
   float new_max = running_max;
   for (int64_t key = 0; key < kChunk; ++key) {
@@ -376,119 +493,193 @@ inline void group_pointers(const CacheT* k_cache, const CacheT* v_cache, const i
   }
 }
 
+#ifdef PAGEDLLM_VECTOR_ATTENTION
+// ------------------------------------------------------------------ the vector kernels
+// The kernels of NV query vectors (the G heads of a row that share a KV head, up to
+// kGroup or kInPlaceGroup at a time) against one chunk of keys: the scores tile by tile
+// into memory (probs), the online softmax from there, then the outputs slice by slice.
+// Each chunk kernel (attend_chunk_group, attend_chunk_in_place) is a function of its own
+// (inlined into attend_item, a prompt's attention without vdpbf16ps ran slower). Inside
+// it, the loops that do the FMAs (score_tile, accumulate_slice) are inlined with AVX-512's
+// 32 registers (out of line, the float32 scratch's stride is not a constant), and kept out
+// of line on AVX2: inlined there, GCC kept some of their sums in memory, stored on every
+// step.
+#define PAGEDLLM_CHUNK_KERNEL __attribute__((noinline))
 #ifdef PAGEDLLM_AVX512
-// 16 cache values from p in float32 (bf16 widens exactly: a 16-bit shift).
-inline __m512 load16_float(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_float(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+#define PAGEDLLM_FMA_LOOP inline __attribute__((always_inline))
+#else
+#define PAGEDLLM_FMA_LOOP __attribute__((noinline))
+#endif
+
+// The scores of NV query vectors (q: [NV][d], already scaled) against P groups of 16 keys,
+// stored in element order at scores[v * kChunk + 16 * p]. keys[p] holds dimension x of its
+// 16 positions at keys[p] + x * stride. Each score adds its d products in the recipe's
+// order; x is the outer loop so that the NV x P sums are independent chains in flight
+// together (with the groups outer, NV chains of d dependent FMAs each made this loop
+// latency-bound, half the kernel's time).
+template <int NV, int P, bool kPaired, typename CacheT>
+PAGEDLLM_FMA_LOOP void score_tile(const float* q, int64_t d,
+                                          const CacheT* const (&keys)[P], int64_t stride,
+                                          float* scores) {
+  NextLines& next = next_lines;  // looked up once per call: see next_lines
+  constexpr Lanes L = kLanesOf<CacheT>;
+  // Never escapes, so it stays in registers: accumulated in an array whose address is
+  // taken, the compiler treated the sums as memory that the q and key loads might alias
+  // and stored them on every step of the loop.
+  VecF sums[NV][P][kParts];
+  for (int v = 0; v < NV; ++v)
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < kParts; ++h) sums[v][p][h] = vzero();
+  for (int64_t i = 0; i < d; ++i) {
+    next.issue(kLinesPerStep);
+    const int64_t x = term<kPaired>(i);
+    VecF qx[NV];
+    for (int v = 0; v < NV; ++v) qx[v] = vset1(q[v * d + x]);
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < kParts; ++h) {
+        const VecF key = in_register(load_part<L>(keys[p] + x * stride, h));
+        for (int v = 0; v < NV; ++v) sums[v][p][h] = vfmadd(qx[v], key, sums[v][p][h]);
+      }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int p = 0; p < P; ++p) {
+      in_order<L>(sums[v][p]);
+      for (int h = 0; h < kParts; ++h)
+        vstore(scores + v * kChunk + 16 * p + kLanes * h, sums[v][p][h]);
+    }
 }
 
-// The online-softmax step of NV query vectors after their scores of one chunk: soft cap,
-// mask to the visible lanes [lo, hi), new max, probabilities (into probs [NV][kChunk]),
-// running sums; corr[v] is the factor their outputs are rescaled by.
+// The scores of NV query vectors against the chunk's groups of 16 keys that hold visible
+// lanes ([lo, hi)), tile by tile, into scores [NV][kChunk]. key_at(g): the keys of group
+// g, as in score_tile. Only the visible lanes' scores are used (the softmax masks the
+// others to -inf, whatever they hold): tiles with none are not computed, and a group with
+// none in a tile that has some reads a visible group's keys (its own table entry may lie
+// past the sequence's blocks), so the loop has no branch.
+template <int NV, bool kPaired, typename CacheT, typename KeyAt>
+inline void chunk_scores(const float* q, int64_t d, int64_t stride, int64_t lo, int64_t hi,
+                         const KeyAt& key_at, float* scores) {
+  constexpr int P = kTileGroups<NV>;
+  const int first = static_cast<int>(lo / 16), last = static_cast<int>((hi - 1) / 16);
+  for (int g0 = first / P * P; g0 <= last; g0 += P) {
+    const CacheT* keys[P];
+    for (int p = 0; p < P; ++p) keys[p] = key_at(std::min(std::max(g0 + p, first), last));
+    score_tile<NV, P, kPaired, CacheT>(q, d, keys, stride, scores + 16 * g0);
+  }
+}
+
+// One query vector's online-softmax step after its scores of a chunk (kChunkVectors
+// vectors, in element order): soft cap, mask to the visible lanes [lo, hi), new max,
+// probabilities (rounded to bf16 in the paired recipe) stored at probs, running sum.
+// Returns the factor its output is rescaled by. The max is exact, whatever the order its
+// lanes are compared in; the total adds vector i of the chunk into part i % kParts of one
+// group of 16 lanes, reduced by reduce16.
+template <bool kPaired>
+PAGEDLLM_INLINE inline VecF softmax_vector(VecF (&scores)[kChunkVectors], int64_t lo, int64_t hi,
+                           double soft_cap, float& running_max, float& running_sum,
+                           float* probs) {
+  const bool whole_chunk = lo == 0 && hi == kChunk;  // no lane to mask (most chunks)
+  VecF chunk_max = vset1(running_max);
+  for (int i = 0; i < kChunkVectors; ++i) {
+    if (soft_cap > 0) {
+      const VecF cap = vset1(static_cast<float>(soft_cap));
+      scores[i] = vmul(cap, vtanh(vdiv(scores[i], cap)));
+    }
+    if (!whole_chunk) scores[i] = vmask_outside(scores[i], kLanes * i, lo, hi);
+    chunk_max = vmax(chunk_max, scores[i]);
+  }
+  const float new_max = vreduce_max(chunk_max);
+  const float correction = running_max == kNegInf ? 0.f : exp_scalar(running_max - new_max);
+  VecF total[kParts];
+  for (int h = 0; h < kParts; ++h) total[h] = vzero();
+  for (int i = 0; i < kChunkVectors; ++i) {
+    VecF p = vexp(vsub(scores[i], vset1(new_max)));
+    if constexpr (kPaired) p = vround_to_bf16(p);
+    vstore(probs + kLanes * i, p);
+    total[i % kParts] = vadd(total[i % kParts], p);
+  }
+  running_sum = running_sum * correction + vreduce16(total);
+  running_max = new_max;
+  return vset1(correction);
+}
+
+// softmax_vector for NV vectors whose scores lie in probs [NV][kChunk], replaced there by
+// their probabilities; corr[v]: the factor output v is rescaled by.
 template <int NV, bool kPaired>
-inline void softmax_chunk(__m512 (&scores)[NV][kChunk / 16], int64_t lo, int64_t hi,
-                          double soft_cap, float* running_max, float* running_sum,
-                          float* probs, __m512 (&corr)[NV]) {
-  constexpr int kT = kChunk / 16;
-  const __m512i lane0 =
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
+                          float* running_max, float* running_sum, VecF (&corr)[NV]) {
   for (int v = 0; v < NV; ++v) {
-    __m512 chunk_max = _mm512_set1_ps(running_max[v]);
-    for (int t = 0; t < kT; ++t) {
-      if (soft_cap > 0) {
-        const __m512 cap = _mm512_set1_ps(static_cast<float>(soft_cap));
-        scores[v][t] = _mm512_mul_ps(cap, tanh512(_mm512_div_ps(scores[v][t], cap)));
-      }
-      const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(16 * t), lane0);
-      const __mmask16 visible =
-          _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(lo))) &
-          _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(hi)));
-      scores[v][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, scores[v][t]);
-      chunk_max = _mm512_max_ps(chunk_max, scores[v][t]);
-    }
-    const float new_max = _mm512_reduce_max_ps(chunk_max);
-    const float correction =
-        running_max[v] == kNegInf ? 0.f : exp_scalar(running_max[v] - new_max);
-    __m512 total = _mm512_setzero_ps();
-    for (int t = 0; t < kT; ++t) {
-      __m512 p = exp512(_mm512_sub_ps(scores[v][t], _mm512_set1_ps(new_max)));
-      if constexpr (kPaired) p = round_to_bf16(p);
-      _mm512_storeu_ps(probs + v * kChunk + 16 * t, p);
-      total = _mm512_add_ps(total, p);
-    }
-    running_sum[v] = running_sum[v] * correction + _mm512_reduce_add_ps(total);
-    running_max[v] = new_max;
-    corr[v] = _mm512_set1_ps(correction);
+    VecF scores[kChunkVectors];
+    for (int i = 0; i < kChunkVectors; ++i) scores[i] = vload(probs + v * kChunk + kLanes * i);
+    corr[v] = softmax_vector<kPaired>(scores, lo, hi, soft_cap, running_max[v],
+                                      running_sum[v], probs + v * kChunk);
   }
 }
 
 // acc[v] = acc[v] * corr[v], then acc[v] += probs[v][key] * value(key) for the keys lo..hi
-// in the recipe's order (for_each_key), for NV vectors of d floats. value(key) points at the key's d values (float32
-// scratch or the cache itself). The accumulators of a slice of 64 dimensions (W = 4
-// vectors; W = 1 for the rest) stay in registers over all the keys.
-template <int NV, int W, bool kPaired, typename CacheT, typename ValueAt>
-inline void accumulate_slice(float* acc, int64_t d, int64_t x0, const float* probs,
-                             const __m512 (&corr)[NV], int64_t lo, int64_t hi,
-                             const ValueAt& value) {
+// in the recipe's order (for_each_key), over a slice of G groups of 16 dimensions (from
+// x0) of NV outputs of d floats, kept in registers over all the keys (in the values' lane
+// order while there). value(key) points at the key's d values (float32 scratch or the
+// cache itself); the values of the keys of one group of 16 positions lie d apart, so it is
+// asked once per group, not once per key.
+template <int NV, int G, bool kPaired, typename CacheT, typename ValueAt>
+PAGEDLLM_FMA_LOOP void accumulate_slice(float* acc, int64_t d, int64_t x0,
+                                                const float* probs, const VecF (&corr)[NV],
+                                                int64_t lo, int64_t hi, const ValueAt& value) {
   NextLines& next = next_lines;  // looked up once per call: see next_lines
-  __m512 a[NV][W];
+  constexpr Lanes L = kLanesOf<CacheT>;
+  VecF a[NV][G][kParts];
   for (int v = 0; v < NV; ++v)
-    for (int w = 0; w < W; ++w)
-      a[v][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + v * d + x0 + 16 * w), corr[v]);
+    for (int g = 0; g < G; ++g) {
+      for (int h = 0; h < kParts; ++h)
+        a[v][g][h] = vmul(vload(acc + v * d + x0 + 16 * g + kLanes * h), corr[v]);
+      to_lane_order<L>(a[v][g]);
+    }
   for_each_key<kPaired>(lo, hi, [&](int64_t key) PAGEDLLM_INLINE {
     next.issue(kLinesPerStep);
     const CacheT* val = value(key) + x0;
-    __m512 vx[W];
-    for (int w = 0; w < W; ++w) vx[w] = load16_float(val + 16 * w);
+    VecF vx[G][kParts];
+    for (int g = 0; g < G; ++g)
+      for (int h = 0; h < kParts; ++h) vx[g][h] = in_register(load_part<L>(val + 16 * g, h));
     for (int v = 0; v < NV; ++v) {
-      const __m512 p = _mm512_set1_ps(probs[v * kChunk + key]);
-      for (int w = 0; w < W; ++w) a[v][w] = _mm512_fmadd_ps(p, vx[w], a[v][w]);
+      const VecF p = vset1(probs[v * kChunk + key]);
+      for (int g = 0; g < G; ++g)
+        for (int h = 0; h < kParts; ++h) a[v][g][h] = vfmadd(p, vx[g][h], a[v][g][h]);
     }
   });
   for (int v = 0; v < NV; ++v)
-    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + v * d + x0 + 16 * w, a[v][w]);
+    for (int g = 0; g < G; ++g) {
+      in_order<L>(a[v][g]);
+      for (int h = 0; h < kParts; ++h)
+        vstore(acc + v * d + x0 + 16 * g + kLanes * h, a[v][g][h]);
+    }
 }
 
 template <int NV, bool kPaired, typename CacheT, typename ValueAt>
 inline void accumulate_values(float* acc, int64_t d, const float* probs,
-                              const __m512 (&corr)[NV], int64_t lo, int64_t hi,
+                              const VecF (&corr)[NV], int64_t lo, int64_t hi,
                               const ValueAt& value) {
+  constexpr int G = kSliceGroups<NV>;
   int64_t x0 = 0;
-  for (; x0 + 64 <= d; x0 += 64)
-    accumulate_slice<NV, 4, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
-  for (; x0 < d; x0 += 16)
+  for (; x0 + 16 * G <= d; x0 += 16 * G)
+    accumulate_slice<NV, G, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
+  for (; x0 < d; x0 += 16)  // d % 16 == 0
     accumulate_slice<NV, 1, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
 }
 
 // NV query vectors (each d floats, one after another in q, already scaled) with the same
 // visible lanes [lo, hi) against the chunk loaded in scratch: for each vector the
-// operations of attend_chunk, in its order (so the same bits), with the loads of keys and
-// values shared. running_max, running_sum: [NV]; acc: [NV][d]; probs: [NV][kChunk]
-// scratch. d % 16 == 0.
+// operations of attend_chunk (the scalar form), in its order (so the same bits), with the
+// loads of keys and values shared. running_max, running_sum: [NV]; acc: [NV][d]; probs:
+// [NV][kChunk], the scores and then the probabilities. d % 16 == 0.
 template <int NV, bool kPaired>
-inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
+PAGEDLLM_CHUNK_KERNEL void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
                                int64_t hi, double soft_cap, float* running_max,
                                float* running_sum, float* acc, float* probs) {
-  constexpr int kT = kChunk / 16;
-  __m512 sums[NV][kT];  // never escapes (see attend_chunk_in_place): stays in registers
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; ++i) {
-    const int64_t x = term<kPaired>(i);
-    __m512 keys[kT];
-    for (int t = 0; t < kT; ++t) keys[t] = _mm512_loadu_ps(s.keys_t.data() + x * kChunk + 16 * t);
-    for (int v = 0; v < NV; ++v) {
-      const __m512 qx = _mm512_set1_ps(q[v * d + x]);
-      for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_fmadd_ps(qx, keys[t], sums[v][t]);
-    }
-  }
-  __m512 scores[NV][kT];
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
-  __m512 corr[NV];
-  softmax_chunk<NV, kPaired>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  const float* keys_t = s.keys_t.data();
+  chunk_scores<NV, kPaired, float>(q, d, kChunk, lo, hi,
+                                   [&](int g) { return keys_t + 16 * g; }, probs);
+  VecF corr[NV];
+  softmax_chunk<NV, kPaired>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
   const float* values = s.values.data();
   accumulate_values<NV, kPaired, float>(acc, d, probs, corr, lo, hi,
                                         [&](int64_t key) { return values + key * d; });
@@ -497,50 +688,29 @@ inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int6
 // The same for a chunk read in place from the cache, with no scratch: for rows that see a
 // chunk once (decode, speculative verification), widening keys and values into scratch
 // would cost more than the attention itself. Needs block_size % 16 == 0, so that each
-// group of 16 lanes (t) lies in one block; groups with no visible lane are not read (their
-// scores are masked to -inf either way: the same bits as the scratch path).
+// group of 16 positions lies in one block; where each visible group starts is found once
+// per chunk, not once per key and slice (a 64-bit division per key cost more than the
+// key's FMAs).
 template <int NV, typename CacheT>
-inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const CacheT* v_cache,
+PAGEDLLM_CHUNK_KERNEL void attend_chunk_in_place(const float* q, const CacheT* k_cache, const CacheT* v_cache,
                                   const int32_t* table, const Geometry& geo, int64_t kv_head,
                                   int64_t start, int64_t lo, int64_t hi, double soft_cap,
                                   float* running_max, float* running_sum, float* acc,
                                   float* probs) {
-  NextLines& next = next_lines;  // looked up once per call: see next_lines
-  constexpr int kT = kChunk / 16;
+  constexpr int kGroups = kChunk / 16;
   const int64_t d = geo.head_dim, bs = geo.block_size;
-  // The sums live in an array whose address is never taken, copied into `scores` (which
-  // softmax_chunk takes by reference) after the loop: accumulated in `scores` directly,
-  // the compiler treated them as memory that the q and key loads might alias and stored
-  // all NV x kT of them on every step of the loop.
-  __m512 sums[NV][kT];
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_setzero_ps();
-  // Each score sums over d in the recipe's order, as everywhere; x is the outer loop so
-  // that the NV x kT sums are independent chains in flight together (with t outer, NV
-  // chains of d dependent FMAs each made this loop latency-bound, half the kernel's time).
-  const CacheT* keys[kT];    // group t's keys, [D][bs] with its 16 lanes here; null: unseen
-  const CacheT* values[kT];  // group t's values, [16][D]
+  const CacheT* keys[kGroups];    // group g's keys, [D][bs] with its 16 lanes here; null: unseen
+  const CacheT* values[kGroups];  // group g's values, [16][D]
   group_pointers(k_cache, v_cache, table, geo, kv_head, start, lo, hi, keys, values);
   constexpr bool kPaired = std::is_same_v<CacheT, bf16>;
-  for (int64_t i = 0; i < d; ++i) {
-    next.issue(kLinesPerStep);
-    const int64_t x = term<kPaired>(i);
-    __m512 qx[NV];
-    for (int v = 0; v < NV; ++v) qx[v] = _mm512_set1_ps(q[v * d + x]);
-    for (int t = 0; t < kT; ++t) {
-      if (keys[t] == nullptr) continue;
-      const __m512 key = load16_float(keys[t] + x * bs);
-      for (int v = 0; v < NV; ++v) sums[v][t] = _mm512_fmadd_ps(qx[v], key, sums[v][t]);
-    }
-  }
-  __m512 scores[NV][kT];
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
-  __m512 corr[NV];
-  softmax_chunk<NV, kPaired>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  chunk_scores<NV, kPaired, CacheT>(
+      q, d, bs, lo, hi, [&](int g) { return keys[g]; }, probs);
+  VecF corr[NV];
+  softmax_chunk<NV, kPaired>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
   accumulate_values<NV, kPaired, CacheT>(
       acc, d, probs, corr, lo, hi, [&](int64_t key) { return values[key / 16] + (key % 16) * d; });
 }
+#endif  // PAGEDLLM_VECTOR_ATTENTION
 
 #ifdef PAGEDLLM_AVX512BF16
 // ------------------------------------------------------------- vdpbf16ps (AVX512-BF16)
@@ -596,15 +766,15 @@ inline __m512i load_index(const int32_t* index) { return _mm512_load_si512(index
 template <int NV, int H>
 inline void accumulate_slice_bf16(float* acc, int64_t d, int64_t x0,
                                   const uint32_t (&pairs)[NV][kChunk / 2],
-                                  const __m512 (&corr)[NV], int64_t lo, int64_t hi,
+                                  const VecF (&corr)[NV], int64_t lo, int64_t hi,
                                   const bf16* const (&values)[kChunk / 16]) {
   NextLines& next = next_lines;  // looked up once per call: see next_lines
   __m512 a[NV][2 * H];  // [v][2h]: dims kDimsLow of the h-th 32; [v][2h + 1]: kDimsHigh
   for (int v = 0; v < NV; ++v)
     for (int h = 0; h < H; ++h) {
       const float* out = acc + v * d + x0 + 32 * h;
-      const __m512 first = _mm512_mul_ps(_mm512_loadu_ps(out), corr[v]);
-      const __m512 last = _mm512_mul_ps(_mm512_loadu_ps(out + 16), corr[v]);
+      const __m512 first = _mm512_mul_ps(_mm512_loadu_ps(out), corr[v].v);
+      const __m512 last = _mm512_mul_ps(_mm512_loadu_ps(out + 16), corr[v].v);
       a[v][2 * h] = _mm512_permutex2var_ps(first, load_index(kDimsLow), last);
       a[v][2 * h + 1] = _mm512_permutex2var_ps(first, load_index(kDimsHigh), last);
     }
@@ -674,11 +844,13 @@ inline void attend_chunk_in_place_bf16(const uint32_t* q_pairs, const bf16* k_ca
       for (int v = 0; v < NV; ++v) sums[v][t] = _mm512_dpbf16_ps(sums[v][t], key, qi[v]);
     }
   }
-  __m512 scores[NV][kT];
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
-  __m512 corr[NV];
-  softmax_chunk<NV, true>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  VecF corr[NV];
+  for (int v = 0; v < NV; ++v) {
+    VecF scores[kChunkVectors];
+    for (int t = 0; t < kT; ++t) scores[t] = {sums[v][t]};
+    corr[v] = softmax_vector<true>(scores, lo, hi, soft_cap, running_max[v], running_sum[v],
+                                   probs + v * kChunk);
+  }
   uint32_t pairs[NV][kChunk / 2];
   for (int v = 0; v < NV; ++v)
     for (int h = 0; h < 2; ++h)
@@ -773,11 +945,13 @@ inline void attend_chunk_pairs(const uint32_t* q_pairs, const Scratch& s, int64_
       for (int t = 0; t < kT; ++t) sums[v][t] = _mm512_dpbf16_ps(sums[v][t], keys[t], qi);
     }
   }
-  __m512 scores[NV][kT];
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < kT; ++t) scores[v][t] = sums[v][t];
-  __m512 corr[NV];
-  softmax_chunk<NV, true>(scores, lo, hi, soft_cap, running_max, running_sum, probs, corr);
+  VecF corr[NV];
+  for (int v = 0; v < NV; ++v) {
+    VecF scores[kChunkVectors];
+    for (int t = 0; t < kT; ++t) scores[t] = {sums[v][t]};
+    corr[v] = softmax_vector<true>(scores, lo, hi, soft_cap, running_max[v], running_sum[v],
+                                   probs + v * kChunk);
+  }
   uint32_t pairs[NV][kChunk / 2];
   for (int v = 0; v < NV; ++v)
     for (int h = 0; h < 2; ++h)
@@ -788,7 +962,7 @@ inline void attend_chunk_pairs(const uint32_t* q_pairs, const Scratch& s, int64_
     __m512 a[NV][2];
     for (int v = 0; v < NV; ++v)
       for (int w = 0; w < 2; ++w)
-        a[v][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + v * d + x0 + 16 * w), corr[v]);
+        a[v][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + v * d + x0 + 16 * w), corr[v].v);
     for (int64_t j = lo / 2; 2 * j < hi; ++j) {
       const uint32_t* row = s.value_pairs.data() + j * d + x0;
       const __m512bh v0 = (__m512bh)_mm512_loadu_si512(row);
@@ -828,283 +1002,6 @@ inline void attend_vectors_pairs(Scratch& s, int64_t first, int64_t count, int64
   }
 }
 #endif  // PAGEDLLM_AVX512BF16
-#elif defined(PAGEDLLM_AVX2)
-// ------------------------------------------------------------------------------- AVX2
-// The kernels above on 8-lane vectors. The AVX-512 code's 16-lane vector t of a chunk is
-// the pair of 8-lane vectors 2t (lanes 0..7) and 2t + 1 (lanes 8..15); every lane runs
-// the AVX-512 operations in their order (a score adds its d products in order, an output
-// its keys in order), and what is reduced across lanes (a chunk's total) is kept as the
-// same 16-lane vector, in (lo, hi) halves, and reduced by reduce16(lo, hi).
-//
-// Only the blocking differs, to fit 16 registers instead of 32: the scores of NV query
-// vectors are computed kKeyTile<NV> 8-lane vectors of keys at a time and reach the softmax
-// through memory (probs), and outputs are accumulated in slices of kSlice<NV> vectors.
-// Which sums are in flight together changes, never what a sum adds or in what order. The
-// two loops that do the FMAs (score_tile, accumulate_slice) are kept out of line: inlined
-// into attend_item, GCC kept some of their sums in memory, stored on every step.
-
-constexpr int kVectors8 = kChunk / 8;  // 8-lane vectors of a chunk
-
-// How many 8-lane vectors a group of NV query vectors works on at once, in 16 registers:
-// kKeyTile<NV> vectors of keys (NV x kKeyTile score sums, NV broadcast queries, a key) and
-// kSlice<NV> vectors of outputs (NV x kSlice accumulators, the values, a probability).
-// Enough independent FMA chains (6 to 12) to cover the FMA latency, without spills. For
-// SmolLM2's 3 query heads per KV head, one group of 3 with key tiles of 4 decoded about 20%
-// faster than groups of 2 and 1 on Zen 3. Both are even: keys and values are read 16
-// positions or dimensions (two vectors) at a time.
-template <int NV>
-constexpr int kKeyTile = NV == 1 ? 8 : NV <= 3 ? 4 : 2;
-template <int NV>
-constexpr int kSlice = NV == 1 ? 8 : NV == 2 ? 4 : 2;
-
-// 16 consecutive elements of the cache as two 8-lane float32 vectors (a, b), in one of two
-// lane orders. kInOrder: elements 0..7 and 8..15, each half widened on its own. kEvenOdd
-// (bf16 only): the even elements 0, 2, .., 14 and the odd ones 1, 3, .., 15, from one
-// 32-byte load, a shift (the low half of each 32-bit pair) and a mask (the high half): half
-// the conversion work, which otherwise competes with the FMAs for the same ports. Every
-// lane's arithmetic is untouched; only which lane holds which element differs, undone
-// (in_order) where sums leave registers, once per tile or slice rather than once per key.
-enum class Lanes { kInOrder, kEvenOdd };
-
-// Half h of the 16 elements at p (0: a, 1: b) in lane order L. Keys are loaded one half at
-// a time, so that one key vector at a time is live: the score tiles of 3 query vectors
-// need all 16 registers besides (with both halves loaded at once, GCC kept one of their
-// sums in memory, stored on every step).
-template <Lanes L, typename CacheT>
-inline __m256 load_half(const CacheT* p, int h) {
-  if constexpr (L == Lanes::kEvenOdd) {
-    static_assert(std::is_same_v<CacheT, bf16>, "even/odd lanes split 32-bit bf16 pairs");
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm256_castsi256_ps(
-        h == 0 ? _mm256_slli_epi32(raw, 16)
-               : _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  } else {
-    return load8_float(p + 8 * h);
-  }
-}
-
-// Both halves (values: all of a slice's vectors are used at once; GCC loads the 32 bytes
-// once for the two).
-template <Lanes L, typename CacheT>
-inline void load16(const CacheT* p, __m256& a, __m256& b) {
-  a = load_half<L>(p, 0);
-  b = load_half<L>(p, 1);
-}
-
-// (a, b) in lane order L -> elements 0..7, 8..15.
-template <Lanes L>
-inline void in_order(__m256& a, __m256& b) {
-  if constexpr (L == Lanes::kEvenOdd) {
-    const __m256 low = _mm256_unpacklo_ps(a, b);   // 0 1 2 3 | 8 9 10 11
-    const __m256 high = _mm256_unpackhi_ps(a, b);  // 4 5 6 7 | 12 13 14 15
-    a = _mm256_permute2f128_ps(low, high, 0x20);
-    b = _mm256_permute2f128_ps(low, high, 0x31);
-  }
-}
-
-// Elements 0..7, 8..15 -> (a, b) in lane order L (in_order's inverse).
-template <Lanes L>
-inline void to_lane_order(__m256& a, __m256& b) {
-  if constexpr (L == Lanes::kEvenOdd) {
-    // shuffles: 0 2 8 10 | 4 6 12 14 and 1 3 9 11 | 5 7 13 15; then 64-bit pairs 0 2 1 3
-    const __m256d even = _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
-    const __m256d odd = _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-    a = _mm256_castpd_ps(_mm256_permute4x64_pd(even, _MM_SHUFFLE(3, 1, 2, 0)));
-    b = _mm256_castpd_ps(_mm256_permute4x64_pd(odd, _MM_SHUFFLE(3, 1, 2, 0)));
-  }
-}
-
-// The lane order of a cache's keys and values in registers: float32 scratch in order.
-template <typename CacheT>
-constexpr Lanes kLanes = std::is_same_v<CacheT, bf16> ? Lanes::kEvenOdd : Lanes::kInOrder;
-
-// The scores of NV query vectors (q: [NV][d], already scaled) against P groups of 16 keys,
-// stored in order at scores[v * kChunk + 16 * p]. keys[p] holds dimension x of its 16
-// positions at keys[p] + x * stride.
-template <int NV, int P, bool kPaired, typename CacheT>
-__attribute__((noinline)) void score_tile(const float* q, int64_t d,
-                                          const CacheT* const (&keys)[P], int64_t stride,
-                                          float* scores) {
-  NextLines& next = next_lines;  // looked up once per call: see next_lines
-  constexpr Lanes L = kLanes<CacheT>;
-  __m256 sums[NV][2 * P];  // never escapes (see attend_chunk_in_place): stays in registers
-  for (int v = 0; v < NV; ++v)
-    for (int u = 0; u < 2 * P; ++u) sums[v][u] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; ++i) {
-    next.issue(kLinesPerStep);
-    const int64_t x = term<kPaired>(i);
-    __m256 qx[NV];
-    for (int v = 0; v < NV; ++v) qx[v] = _mm256_set1_ps(q[v * d + x]);
-    for (int u = 0; u < 2 * P; ++u) {
-      const __m256 key = load_half<L>(keys[u / 2] + x * stride, u % 2);
-      for (int v = 0; v < NV; ++v) sums[v][u] = _mm256_fmadd_ps(qx[v], key, sums[v][u]);
-    }
-  }
-  for (int v = 0; v < NV; ++v)
-    for (int p = 0; p < P; ++p) {
-      in_order<L>(sums[v][2 * p], sums[v][2 * p + 1]);
-      _mm256_storeu_ps(scores + v * kChunk + 16 * p, sums[v][2 * p]);
-      _mm256_storeu_ps(scores + v * kChunk + 16 * p + 8, sums[v][2 * p + 1]);
-    }
-}
-
-// The scores of NV query vectors against the chunk's groups of 16 keys that hold visible
-// lanes ([lo, hi)), tile by tile, into scores [NV][kChunk]. key_at(g): the keys of group
-// g, as in score_tile. Only the visible lanes' scores are used (the softmax masks the
-// others to -inf, whatever they hold, as the AVX-512 kernels do): tiles with none are not
-// computed, and a group with none in a tile that has some reads a visible group's keys
-// (its own table entry may lie past the sequence's blocks), so the loop has no branch.
-template <int NV, bool kPaired, typename CacheT, typename KeyAt>
-inline void chunk_scores(const float* q, int64_t d, int64_t stride, int64_t lo, int64_t hi,
-                         const KeyAt& key_at, float* scores) {
-  constexpr int P = kKeyTile<NV> / 2;
-  const int first = static_cast<int>(lo / 16), last = static_cast<int>((hi - 1) / 16);
-  for (int g0 = first / P * P; g0 <= last; g0 += P) {
-    const CacheT* keys[P];
-    for (int p = 0; p < P; ++p) keys[p] = key_at(std::min(std::max(g0 + p, first), last));
-    score_tile<NV, P, kPaired, CacheT>(q, d, keys, stride, scores + 16 * g0);
-  }
-}
-
-// softmax_chunk for NV vectors whose scores lie in probs [NV][kChunk], replaced there by
-// their probabilities. The max is exact, whatever the order its lanes are compared in;
-// the total is the AVX-512 code's 16-lane sum: vector i of the chunk adds into half i % 2.
-template <int NV, bool kPaired>
-inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
-                          float* running_max, float* running_sum, __m256 (&corr)[NV]) {
-  const __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i before_lo = _mm256_set1_epi32(static_cast<int>(lo) - 1);
-  const __m256i end = _mm256_set1_epi32(static_cast<int>(hi));
-  const bool whole_chunk = lo == 0 && hi == kChunk;  // no lane to mask (most chunks)
-  for (int v = 0; v < NV; ++v) {
-    float* p_v = probs + v * kChunk;
-    __m256 scores[kVectors8];
-    __m256 chunk_max = _mm256_set1_ps(running_max[v]);
-    for (int i = 0; i < kVectors8; ++i) {
-      scores[i] = _mm256_loadu_ps(p_v + 8 * i);
-      if (soft_cap > 0) {
-        const __m256 cap = _mm256_set1_ps(static_cast<float>(soft_cap));
-        scores[i] = _mm256_mul_ps(cap, tanh256(_mm256_div_ps(scores[i], cap)));
-      }
-      if (!whole_chunk) {  // lanes outside [lo, hi) are not this query's keys
-        const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(8 * i), lane0);
-        const __m256i visible = _mm256_and_si256(_mm256_cmpgt_epi32(lane, before_lo),
-                                                 _mm256_cmpgt_epi32(end, lane));
-        scores[i] = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), scores[i],
-                                     _mm256_castsi256_ps(visible));
-      }
-      chunk_max = _mm256_max_ps(chunk_max, scores[i]);
-    }
-    const float new_max = reduce_max8(chunk_max);
-    const float correction =
-        running_max[v] == kNegInf ? 0.f : exp_scalar(running_max[v] - new_max);
-    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0..7, 8..15
-    for (int i = 0; i < kVectors8; ++i) {
-      __m256 p = exp256(_mm256_sub_ps(scores[i], _mm256_set1_ps(new_max)));
-      if constexpr (kPaired) p = round_to_bf16(p);
-      _mm256_storeu_ps(p_v + 8 * i, p);
-      total[i % 2] = _mm256_add_ps(total[i % 2], p);
-    }
-    running_sum[v] = running_sum[v] * correction + reduce16(total[0], total[1]);
-    running_max[v] = new_max;
-    corr[v] = _mm256_set1_ps(correction);
-  }
-}
-
-// accumulate_slice on 8-lane vectors: a slice of W vectors (8W dimensions) of NV outputs
-// stays in registers over all the keys lo..hi, each lane updated as there (in the values'
-// lane order while in registers). The values of the keys of one group of 16 (16g .. 16g +
-// 15) lie d apart, so value() is asked once per group, not once per key.
-template <int NV, int W, bool kPaired, typename CacheT, typename ValueAt>
-__attribute__((noinline)) void accumulate_slice(float* acc, int64_t d, int64_t x0,
-                                                const float* probs, const __m256 (&corr)[NV],
-                                                int64_t lo, int64_t hi, const ValueAt& value) {
-  NextLines& next = next_lines;  // looked up once per call: see next_lines
-  static_assert(W % 2 == 0, "values are loaded 16 dimensions at a time");
-  constexpr Lanes L = kLanes<CacheT>;
-  __m256 a[NV][W];
-  for (int v = 0; v < NV; ++v)
-    for (int w = 0; w < W; w += 2) {
-      float* out = acc + v * d + x0 + 8 * w;
-      a[v][w] = _mm256_mul_ps(_mm256_loadu_ps(out), corr[v]);
-      a[v][w + 1] = _mm256_mul_ps(_mm256_loadu_ps(out + 8), corr[v]);
-      to_lane_order<L>(a[v][w], a[v][w + 1]);
-    }
-  for (int64_t first = lo; first < hi;) {
-    const int64_t group_end = std::min(hi, (first / 16 + 1) * 16);
-    const CacheT* at_first = value(first) + x0;  // key k's values: at_first + (k - first) d
-    for_each_key<kPaired>(first, group_end, [&](int64_t key) PAGEDLLM_INLINE {
-      next.issue(kLinesPerStep);
-      const CacheT* val = at_first + (key - first) * d;
-      __m256 vx[W];
-      for (int w = 0; w < W; w += 2) load16<L>(val + 8 * w, vx[w], vx[w + 1]);
-      for (int v = 0; v < NV; ++v) {
-        const __m256 p = _mm256_set1_ps(probs[v * kChunk + key]);
-        for (int w = 0; w < W; ++w) a[v][w] = _mm256_fmadd_ps(p, vx[w], a[v][w]);
-      }
-    });
-    first = group_end;
-  }
-  for (int v = 0; v < NV; ++v)
-    for (int w = 0; w < W; w += 2) {
-      in_order<L>(a[v][w], a[v][w + 1]);
-      _mm256_storeu_ps(acc + v * d + x0 + 8 * w, a[v][w]);
-      _mm256_storeu_ps(acc + v * d + x0 + 8 * w + 8, a[v][w + 1]);
-    }
-}
-
-template <int NV, bool kPaired, typename CacheT, typename ValueAt>
-inline void accumulate_values(float* acc, int64_t d, const float* probs,
-                              const __m256 (&corr)[NV], int64_t lo, int64_t hi,
-                              const ValueAt& value) {
-  constexpr int W = kSlice<NV>;
-  int64_t x0 = 0;
-  for (; x0 + 8 * W <= d; x0 += 8 * W)
-    accumulate_slice<NV, W, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
-  for (; x0 < d; x0 += 16)  // d % 16 == 0
-    accumulate_slice<NV, 2, kPaired, CacheT>(acc, d, x0, probs, corr, lo, hi, value);
-}
-
-// attend_chunk_group on 8-lane vectors: NV query vectors against the chunk in scratch.
-// probs: [NV][kChunk], the scores and then the probabilities.
-template <int NV, bool kPaired>
-inline void attend_chunk_group(const float* q, const Scratch& s, int64_t d, int64_t lo,
-                               int64_t hi, double soft_cap, float* running_max,
-                               float* running_sum, float* acc, float* probs) {
-  const float* keys_t = s.keys_t.data();
-  chunk_scores<NV, kPaired, float>(q, d, kChunk, lo, hi,
-                                   [&](int g) { return keys_t + 16 * g; }, probs);
-  __m256 corr[NV];
-  softmax_chunk<NV, kPaired>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
-  const float* values = s.values.data();
-  accumulate_values<NV, kPaired, float>(acc, d, probs, corr, lo, hi,
-                                        [&](int64_t key) { return values + key * d; });
-}
-
-// attend_chunk_in_place on 8-lane vectors: keys and values read in place from the cache.
-// block_size % 16 == 0, so each group of 16 positions (g) lies in one block; where each
-// visible group starts is found once per chunk, not once per key and slice (a 64-bit
-// division per key cost more than the key's FMAs).
-template <int NV, typename CacheT>
-inline void attend_chunk_in_place(const float* q, const CacheT* k_cache, const CacheT* v_cache,
-                                  const int32_t* table, const Geometry& geo, int64_t kv_head,
-                                  int64_t start, int64_t lo, int64_t hi, double soft_cap,
-                                  float* running_max, float* running_sum, float* acc,
-                                  float* probs) {
-  constexpr int kGroups = kChunk / 16;
-  const int64_t d = geo.head_dim, bs = geo.block_size;
-  const CacheT* keys[kGroups];    // group g's keys, [D][bs] with its 16 lanes here; null: unseen
-  const CacheT* values[kGroups];  // group g's values, [16][D]
-  group_pointers(k_cache, v_cache, table, geo, kv_head, start, lo, hi, keys, values);
-  constexpr bool kPaired = std::is_same_v<CacheT, bf16>;
-  chunk_scores<NV, kPaired, CacheT>(
-      q, d, bs, lo, hi, [&](int g) { return keys[g]; }, probs);
-  __m256 corr[NV];
-  softmax_chunk<NV, kPaired>(probs, lo, hi, soft_cap, running_max, running_sum, corr);
-  accumulate_values<NV, kPaired, CacheT>(
-      acc, d, probs, corr, lo, hi, [&](int64_t key) { return values[key / 16] + (key % 16) * d; });
-}
-#endif
 
 // The `count` query vectors of one row (its G heads: vectors first .. first + count of the
 // item) against the loaded chunk, all with visible lanes [lo, hi).
