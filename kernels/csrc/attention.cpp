@@ -619,8 +619,8 @@ inline void softmax_chunk(float* probs, int64_t lo, int64_t hi, double soft_cap,
 // in the recipe's order (for_each_key), over a slice of G groups of 16 dimensions (from
 // x0) of NV outputs of d floats, kept in registers over all the keys (in the values' lane
 // order while there). value(key) points at the key's d values (float32 scratch or the
-// cache itself); the values of the keys of one group of 16 positions lie d apart, so it is
-// asked once per group, not once per key.
+// cache itself), asked once per key: a shift and a multiply, with the groups' blocks
+// found once per chunk (group_pointers).
 template <int NV, int G, bool kPaired, typename CacheT, typename ValueAt>
 PAGEDLLM_FMA_LOOP void accumulate_slice(float* acc, int64_t d, int64_t x0,
                                                 const float* probs, const VecF (&corr)[NV],
