@@ -4,15 +4,18 @@ alone over all the model's layers, the whole fused stack, and the LM head.
     python benchmarks/cpu_decode_step.py                 # 16 and 64 sequences x 192 keys
     python benchmarks/cpu_decode_step.py --rows 64 --keys 192 --repeat 9
     python benchmarks/cpu_decode_step.py --verify --rows 1,4,5 --keys 1000   # speculation
+    python benchmarks/cpu_decode_step.py --model model.gguf --rows 1 --keys 256  # any model
 
-The model is the embedded SmolLM2-135M-Instruct GGUF with the engine's defaults (packed
-int4 linears, bf16 KV cache). Each of `--rows` sequences decodes one token with `--keys`
-keys in the cache, its blocks laid out one sequence after another. With `--verify`, the
-`--rows` are the query rows of one sequence instead, a step verifying `rows - 1` drafted
-tokens (prompt lookup) at `--keys` keys: what each row past the first costs. Every figure is the best
-of `--repeat` timings. The baseline, timed in the same run, is the torch reference
-attention (kernels/reference.py: gather the blocks, then SDPA) over the same keys and
-values in its own cache layout; the script prints the fast path's attention against it.
+The model is the embedded SmolLM2-135M-Instruct GGUF (or `--model`) with the engine's
+defaults (packed linears, bf16 KV cache); each linear's weights-read rate is printed too
+(what bounds a step of one or a few rows). Each of `--rows` sequences decodes one token
+with `--keys` keys in the cache, its blocks laid out one sequence after another. With
+`--verify`, the `--rows` are the query rows of one sequence instead, a step verifying
+`rows - 1` drafted tokens (prompt lookup) at `--keys` keys: what each row past the first
+costs. Every figure is the best of `--repeat` timings. The baseline, timed in the same
+run, is the torch reference attention (kernels/reference.py: gather the blocks, then
+SDPA) over the same keys and values in its own cache layout; the script prints the fast
+path's attention against it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,17 @@ def best_of(repeat: int, fn) -> float:
     return best
 
 
+def _bytes(weight) -> int:
+    """Bytes a linear or table reads per call (packed tiles and their scales, or bf16)."""
+    if hasattr(weight, "weight_bytes"):
+        return int(weight.weight_bytes())
+    if hasattr(weight, "nbytes"):
+        return int(weight.nbytes)
+    return 0
+
+
 def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dict:
+    from pagedllm_integrations.engine.models.fused_stack import _norm_scale
     from pagedllm_integrations.engine.white_box import core_of
     from pagedllm_integrations.kernels import reference
 
@@ -46,11 +59,12 @@ def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dic
     model = engine.executor.model
     stack = model.fused_stack()
     if stack is None:
-        raise SystemExit("the fused CPU stack is off here (no AVX-512 or AVX2, or no C++ kernels)")
+        raise SystemExit(f"the fused CPU stack is off here: {model.stack_status()}")
     caches = engine.executor.kv_caches
     ops = torch.ops.pagedllm
-    hidden, layers = model.config.hidden_size, len(caches)
-    heads, kv_heads, head_dim = stack.heads, stack.kv_heads, stack.head_dim
+    hidden, layers = model.config.hidden_size, list(model.layers)
+    attn0 = layers[0].self_attn
+    heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
     per_seq = -(-keys // BLOCK)
     sequences = 1 if verify else rows
     if sequences * per_seq > caches[0][0].shape[0]:
@@ -70,48 +84,56 @@ def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dic
         k_cache.copy_(torch.randn(k_cache.shape) * 0.5)
         v_cache.copy_(torch.randn(v_cache.shape) * 0.5)
 
-    p, n = stack.params, stack.ints
-
-    def linear(j: int, layer: int, inp: torch.Tensor) -> torch.Tensor:
-        t = p[layer * 18 + 2 + 4 * j : layer * 18 + 6 + 4 * j]
-        kind, group, width = n[layer * 13 + 3 * j : layer * 13 + 3 * j + 3]
-        if kind == 1:
-            return ops.u4_tiled_linear(inp, t[0], t[1], t[2], width)
-        if kind == 2:
-            return ops.i8_tiled_linear(inp, t[0], t[1], t[2], group, width)
-        return ops.bf16_linear(inp, t[0])
+    # Each layer's C++ linears (the stack's own objects) and the module that holds them.
+    def linears(name: str) -> list[tuple]:
+        found = []
+        for layer in layers:
+            module = {
+                "qkv": layer.self_attn.qkv_proj,
+                "o": layer.self_attn.o_proj,
+                "gate_up": getattr(layer.mlp, "gate_up_proj", None),
+                "down": getattr(layer.mlp, "down_proj", None),
+            }[name]
+            if module is None:  # a mixture of experts: timed whole, below
+                return []
+            found.append((module.kernel_linear(), module))
+        return found
 
     h = torch.randn(rows, hidden)
-    qkv = linear(0, 0, h)
-    q = qkv[:, : heads * head_dim].reshape(rows, heads, head_dim).contiguous()
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim]
+    qkv_out = ops.linear(linears("qkv")[0][0], h)
+    q = qkv_out[:, : heads * head_dim].reshape(rows, heads, head_dim).contiguous()
+    k = qkv_out[:, heads * head_dim : (heads + kv_heads) * head_dim]
     k = k.reshape(rows, kv_heads, head_dim).contiguous()
     v = k.clone()
-    attn = torch.empty(rows, heads, head_dim)
-    gate_up = linear(2, 0, h)
-    act = ops.gated_act(gate_up, False)
+    attn_out = torch.empty(rows, heads, head_dim)
+    cos, sin = attn0.rotary.half_tables()
+    gelu = bool(getattr(layers[0].mlp, "gelu", False))
+    gate_up, down = linears("gate_up"), linears("down")
+    act = ops.gated_linear(gate_up[0][0], h, gelu) if gate_up else None
     seq_ids = torch.arange(sequences)
     residual = torch.randn(rows, hidden)  # add_rms_norm adds into it
+    norm_scales = [
+        _norm_scale(getattr(layer, name))
+        for layer in layers
+        for name in ("input_layernorm", "post_attention_layernorm")
+    ]
+    eps = float(layers[0].input_layernorm.eps)
     parts = {
-        "norms": lambda: [
-            ops.add_rms_norm(x, residual, p[i * 18 + j], 1e-5)
-            for i in range(layers)
-            for j in (0, 1)
-        ],
-        "qkv": lambda: [linear(0, i, h) for i in range(layers)],
-        "rotary": lambda: [ops.rotary_neox_(q, k, positions, stack.cos, stack.sin) for _ in caches],
+        "norms": lambda: [ops.add_rms_norm(x, residual, w, eps) for w in norm_scales],
+        "qkv": lambda: [ops.linear(lin, h) for lin, _ in linears("qkv")],
+        "rotary": lambda: [ops.rotary_neox_(q, k, positions, cos, sin) for _ in caches],
         "kv write": lambda: [ops.write_kv_cache_(k, v, kc, vc, slots) for kc, vc in caches],
         "attention": lambda: [
             ops.paged_attention_rows_(
-                q, kc, vc, attn, seq_ids, cu, seq_lens, tables, stack.scale, 0, 0.0
+                q, kc, vc, attn_out, seq_ids, cu, seq_lens, tables, float(attn0.scale), 0, 0.0
             )
             for kc, vc in caches
         ],
-        "o": lambda: [linear(1, i, attn.view(rows, -1)) for i in range(layers)],
-        "gate_up": lambda: [linear(2, i, h) for i in range(layers)],
-        "gated act": lambda: [ops.gated_act(gate_up, False) for _ in range(layers)],
-        "down": lambda: [linear(3, i, act) for i in range(layers)],
+        "o": lambda: [ops.linear(lin, attn_out.view(rows, -1)) for lin, _ in linears("o")],
     }
+    if gate_up:
+        parts["gate_up + act"] = lambda: [ops.gated_linear(lin, h, gelu) for lin, _ in gate_up]
+        parts["down"] = lambda: [ops.linear(lin, act) for lin, _ in down]
     result = {name: best_of(repeat, fn) * 1e3 for name, fn in parts.items()}
     # The same attention without the software prefetch of the next chunk (attention.cpp):
     # what it gains, with the same bits.
@@ -126,6 +148,18 @@ def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dic
     result["whole stack"] = best_of(repeat, lambda: stack(x, positions, caches, meta)) * 1e3
     result["lm head"] = best_of(repeat, lambda: model.compute_logits(h)) * 1e3
 
+    # Each linear's rate of reading its weights (what bounds a step of few rows).
+    rates = {}
+    for name, found in (("qkv", linears("qkv")), ("o", linears("o")),
+                        ("gate_up + act", gate_up), ("down", down)):  # fmt: skip
+        total = sum(_bytes(module) for _, module in found)
+        if total:
+            rates[name] = total / (result[name] * 1e-3) / 1e9
+    head_bytes = _bytes(model.lm_head.table.fast_weight)
+    if head_bytes:
+        rates["lm head"] = head_bytes / (result["lm head"] * 1e-3) / 1e9
+    result["weights GB/s"] = rates
+
     # The baseline: the torch reference, keys and values in its [blocks, block, Hkv, D] layout.
     ref_caches = [
         (kc.permute(0, 3, 1, 2).contiguous(), vc.permute(0, 2, 1, 3).contiguous())
@@ -136,13 +170,15 @@ def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dic
         best_of(
             repeat,
             lambda: [
-                reference.paged_attention(q, kc, vc, ref_out, cu, seq_lens, tables, stack.scale)
+                reference.paged_attention(
+                    q, kc, vc, ref_out, cu, seq_lens, tables, float(attn0.scale)
+                )
                 for kc, vc in ref_caches
             ],
         )
         * 1e3
     )
-    kv_bytes = rows * keys * layers * 2 * kv_heads * head_dim * caches[0][0].element_size()
+    kv_bytes = rows * keys * len(caches) * 2 * kv_heads * head_dim * caches[0][0].element_size()
     result["attention GB/s"] = kv_bytes / (result["attention"] * 1e-3) / 1e9
     return result
 
@@ -155,6 +191,7 @@ def main() -> int:
     )
     parser.add_argument("--keys", type=int, default=192, help="keys in each sequence's cache")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--model", help="a GGUF file or folder (default: the embedded model)")
     parser.add_argument(
         "--json", default=str(ROOT / "benchmarks" / "results" / "cpu_decode_step.json")
     )
@@ -163,17 +200,25 @@ def main() -> int:
 
     all_rows = [int(r) for r in args.rows.split(",")]
     blocks = (1 if args.verify else max(all_rows)) * -(-args.keys // BLOCK) + 1
-    llm = LLM(None, num_kv_blocks=blocks, max_model_len=args.keys + BLOCK, disable_log_stats=True)
-    report = {"keys": args.keys, "threads": torch.get_num_threads(), "verify": args.verify}
+    llm = LLM(
+        args.model, num_kv_blocks=blocks, max_model_len=args.keys + BLOCK, disable_log_stats=True
+    )
+    report = {"model": args.model or "default", "keys": args.keys,
+              "threads": torch.get_num_threads(), "verify": args.verify}  # fmt: skip
     report["rows"] = {}
     for rows in all_rows:
         report["rows"][str(rows)] = measure(llm, rows, args.keys, args.repeat, args.verify)
     what = "rows of one sequence" if args.verify else "sequences"
     print(f"ms per decode step, all layers ({args.keys} keys per sequence; columns: {what})")
-    names = list(report["rows"][str(all_rows[0])])
+    first = report["rows"][str(all_rows[0])]
+    names = [name for name, value in first.items() if not isinstance(value, dict)]
     print(f"{'':>24}" + "".join(f"{f'{r} rows':>12}" for r in all_rows))
     for name in names:
         print(f"{name:>24}" + "".join(f"{report['rows'][str(r)][name]:>12.2f}" for r in all_rows))
+    print("weights read, GB/s (a linear's bytes over its time, all layers)")
+    for name in first["weights GB/s"]:
+        rates = [report["rows"][str(r)]["weights GB/s"][name] for r in all_rows]
+        print(f"{name:>24}" + "".join(f"{rate:>12.1f}" for rate in rates))
     for rows in all_rows:
         r = report["rows"][str(rows)]
         ratio = r["reference attention"] / r["attention"]
