@@ -15,6 +15,8 @@ type, so reruns add to it; the table and the chart (docs/img/model_sweep.png) ar
 from all of it. Large shapes take long on 2 cores (an 8B model's 64 sequences: tens of
 minutes per system and round): `--npl` and `--rounds` trade coverage for time, and
 `--skip vllm` leaves out the peer that reads 16-bit weights.
+A long model can be measured in parts: `--merge` adds a run's sequence counts to the
+model's kept report instead of replacing it (`merge_reports`).
 
 Targets (issue 39), per family and size: one stream >= 1.5x llama.cpp's generation speed
 and >= 80% of the bandwidth bound; 16 and 64 sequences >= 1.5x vLLM's CPU build (where it
@@ -35,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from model_shapes import SHAPES, gguf_file, hf_folder  # noqa: E402
+
+SYSTEMS = ("llama.cpp", "vllm", "pagedllm")
 
 
 def run_one(shape: str, quant: str, args: argparse.Namespace) -> dict:
@@ -142,6 +146,31 @@ def plot(results: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def merge_reports(old: dict, new: dict) -> dict:
+    """A rerun's report added to the one kept for the same model: the rerun's entries per
+    system (sequence counts, prefill) replace the old ones of the same name and the others
+    stay; peak memory is the larger of the two (the run with more sequences peaks higher);
+    both runs' rounds are kept. So a long model can be measured in parts (`--npl 1,16`,
+    then `--npl 64 --prefill 0 --merge`)."""
+    if "error" in old or "error" in new:
+        return new
+    merged = {**old, **{k: v for k, v in new.items() if k not in SYSTEMS}}
+    merged["npl"] = sorted(set(old.get("npl", [])) | set(new.get("npl", [])))
+    merged["rounds"] = old.get("rounds", []) + new.get("rounds", [])
+    for system in SYSTEMS:
+        if system not in new:
+            continue
+        entry = {**old.get(system, {}), **new[system]}
+        peaks = [
+            r["peak_rss_mib"] for r in (old.get(system, {}), new[system]) if "peak_rss_mib" in r
+        ]
+        if peaks:
+            entry["peak_rss_mib"] = max(peaks)
+        merged[system] = entry
+    merged["merged_runs"] = old.get("merged_runs", 1) + 1
+    return merged
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -153,6 +182,9 @@ def main() -> int:
     parser.add_argument("--skip", default="", help="systems to leave out (cpu_peers --skip)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "sweep.json"))
     parser.add_argument("--report", help="print the table and chart of this JSON, run nothing")
+    parser.add_argument(
+        "--merge", action="store_true", help="add to the model's kept report, not replace it"
+    )
     parser.add_argument(
         "--chart",
         default=str(ROOT / "docs" / "img" / "model_sweep.png"),
@@ -166,7 +198,10 @@ def main() -> int:
             for quant in args.quant.split(","):
                 key = f"{shape} {quant}"
                 print(f"== {key}", flush=True)
-                results[key] = run_one(shape, quant, args)
+                report = run_one(shape, quant, args)
+                if args.merge and key in results:
+                    report = merge_reports(results[key], report)
+                results[key] = report
                 path.write_text(json.dumps(results, indent=1))  # kept after every model
     print_table(results)
     plot(results, Path(args.chart))

@@ -35,3 +35,41 @@ def test_cpu_decode_step_times_every_part_of_a_step(tmp_path):
         assert set(timings["weights GB/s"]) == {"qkv", "o", "gate_up + act", "down", "lm head"}
         assert all(rate > 0 for rate in timings["weights GB/s"].values())
     assert "weights read, GB/s" in done.stdout
+
+
+def _model_sweep():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "model_sweep", ROOT / "benchmarks" / "model_sweep.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports model_shapes beside it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_model_sweep_merges_a_rerun_into_the_kept_report():
+    merge = _model_sweep().merge_reports
+    first = {
+        "npl": [1, 16], "rounds": [{"a": 1}], "read_gb_per_s": 28.8,
+        "llama.cpp": {"1": {"all_tokens_per_s": 5.0}, "16": {"all_tokens_per_s": 16.7},
+                      "prefill": {"tokens_per_s": 18.8}, "peak_rss_mib": 8540},
+        "pagedllm": {"1": {"all_tokens_per_s": 9.3}, "peak_rss_mib": 6112},
+    }  # fmt: skip
+    rerun = {
+        "npl": [64], "rounds": [{"b": 2}], "read_gb_per_s": 29.9,
+        "llama.cpp": {"64": {"all_tokens_per_s": 17.9}, "peak_rss_mib": 10103},
+        "pagedllm": {"64": {"all_tokens_per_s": 55.3}, "peak_rss_mib": 7626},
+    }  # fmt: skip
+    merged = merge(first, rerun)
+    assert merged["npl"] == [1, 16, 64] and merged["rounds"] == [{"a": 1}, {"b": 2}]
+    assert set(merged["llama.cpp"]) == {"1", "16", "64", "prefill", "peak_rss_mib"}
+    assert merged["llama.cpp"]["peak_rss_mib"] == 10103  # the larger run's peak
+    assert merged["pagedllm"]["64"] == {"all_tokens_per_s": 55.3}
+    assert merged["merged_runs"] == 2 and merge(merged, rerun)["merged_runs"] == 3
+    # A failed rerun does not mix with what was kept.
+    assert merge(first, {"error": "boom"}) == {"error": "boom"}
