@@ -150,11 +150,13 @@ def merge_reports(old: dict, new: dict) -> dict:
     """A rerun's report added to the one kept for the same model: the rerun's entries per
     system (sequence counts, prefill) replace the old ones of the same name and the others
     stay; peak memory is the larger of the two (the run with more sequences peaks higher);
-    both runs' rounds are kept. So a long model can be measured in parts (`--npl 1,16`,
-    then `--npl 64 --prefill 0 --merge`)."""
+    both runs' rounds are kept. The run's other fields (the streaming-read rate the
+    bandwidth bound divides by, ...) come from the run that measured one stream. So a long
+    model can be measured in parts (`--npl 1,16`, then `--npl 64 --prefill 0 --merge`)."""
     if "error" in old or "error" in new:
         return new
-    merged = {**old, **{k: v for k, v in new.items() if k not in SYSTEMS}}
+    one_stream, other = (new, old) if 1 in new.get("npl", []) else (old, new)
+    merged = {k: v for k, v in {**other, **one_stream}.items() if k not in SYSTEMS}
     merged["npl"] = sorted(set(old.get("npl", [])) | set(new.get("npl", [])))
     merged["rounds"] = old.get("rounds", []) + new.get("rounds", [])
     for system in SYSTEMS:

@@ -71,5 +71,8 @@ def test_model_sweep_merges_a_rerun_into_the_kept_report():
     assert merged["llama.cpp"]["peak_rss_mib"] == 10103  # the larger run's peak
     assert merged["pagedllm"]["64"] == {"all_tokens_per_s": 55.3}
     assert merged["merged_runs"] == 2 and merge(merged, rerun)["merged_runs"] == 3
+    # The bound's read rate stays that of the run that measured one stream.
+    assert merged["read_gb_per_s"] == 28.8
+    assert merge(rerun, first)["read_gb_per_s"] == 28.8
     # A failed rerun does not mix with what was kept.
     assert merge(first, {"error": "boom"}) == {"error": "boom"}
