@@ -5,7 +5,7 @@ Built once per step by the model runner and passed explicitly down the model (no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -19,7 +19,35 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     backend: str = "auto"  # kernels.ops backend: auto | torch | triton
+    # A layout with several block-table groups (engine/kv_layout.py): every group's
+    # tables [G, B, max_blocks] and slot mappings [G, T] (slot_mapping and block_tables
+    # above are group 0's), each layer's group, and one metadata per group.
+    group_block_tables: torch.Tensor | None = None
+    group_slot_mappings: torch.Tensor | None = None
+    layer_groups: tuple[int, ...] = ()
+    _group_metas: list[AttentionMetadata] = field(default_factory=list, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def set_groups(
+        self, tables: torch.Tensor, slot_mappings: torch.Tensor, layer_groups: tuple[int, ...]
+    ) -> None:
+        """Attach every group's tables [G, B, max_blocks] and slot mappings [G, T].
+
+        One metadata object per group, made here once a step: the kernels' host-side plans
+        are keyed by these tensors' identities (kernels/reference.py), so each layer of a
+        group must see the same objects."""
+        self.group_block_tables, self.group_slot_mappings = tables, slot_mappings
+        self.layer_groups = tuple(layer_groups)
+        self._group_metas = [self] + [
+            replace(self, block_tables=tables[g], slot_mapping=slot_mappings[g], _group_metas=[])
+            for g in range(1, int(tables.shape[0]))
+        ]
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` attends with: its group's tables and slots."""
+        if not self.layer_groups:
+            return self
+        return self._group_metas[self.layer_groups[layer]]

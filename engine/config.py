@@ -67,6 +67,10 @@ class EngineConfig:
     )
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # vLLM's switch of the same name: True keeps one block table per request and every
+    # sliding-window layer's keys for the whole sequence. By default a model with sliding
+    # layers (Gemma 2/3, Mistral) frees what left their window (engine/kv_layout.py).
+    disable_hybrid_kv_cache_manager: bool = False
     kv_cache_memory: int | None = None  # bytes of KV cache; CPU default: kv_sizing.py
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides both budgets above (tests)

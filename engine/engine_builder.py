@@ -33,6 +33,7 @@ from .heap import release_freed_memory
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .kv_disk_tier import NO_KV_DISK, KVDiskPlan, kv_block_copier
+from .kv_layout import KVLayout, describe_layout, plain_layout, windowed_layout
 from .kv_sizing import ContextFit, check_blocks_hold_a_sequence, fit_cpu_context, kv_bytes_per_block
 from .model_info import ModelInfo
 from .model_loader import ModelSource, load_tokenizer, read_config, resolve_model
@@ -46,7 +47,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode.ngram import NgramProposer
 from .spec_decode.verifier import DraftVerifier
-from .step_budget import step_budget
+from .step_budget import default_batched_tokens, step_budget
 from .swap_space import SwapPlan, describe_swap
 
 logger = logging.getLogger(__name__)
@@ -95,13 +96,15 @@ class EngineBuilder:
         """Every part, in the order each needs the last; logs the load line at the end."""
         started = time.perf_counter()
         source, hf_config = self._read_model()
+        self.max_model_len = self._resolve_max_model_len(source.context_length)
+        self.kv_layout = self._choose_kv_layout()
         bytes_per_block = kv_bytes_per_block(
             self.model_config,
             self.config.block_size,
             self.plan.kv_cache_dtype,
             self.config.tensor_parallel_size,
+            num_slots=self.kv_layout.num_slots,
         )
-        self.max_model_len = self._resolve_max_model_len(source.context_length)
         kv_disk = self._kv_disk_plan(bytes_per_block)
         fit = self._fit_context(bytes_per_block, kv_disk.blocks)
         self._read_tokenizer(source)
@@ -115,7 +118,7 @@ class EngineBuilder:
         if not self.model_config.causal:
             logger.info("%s is an embedding model: %s", self.model_name, self.pooler.describe())
         logger.info(
-            "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB)%s, "
+            "loaded %s (%s; %s, %s) in %.1fs: %d KV blocks of %d tokens (%.2f GiB)%s%s, "
             "max_model_len %d%s%s",
             self.model_name,
             self.plan.describe(),
@@ -125,6 +128,7 @@ class EngineBuilder:
             memory_blocks,
             self.config.block_size,
             self.kv_cache_bytes / GiB,
+            describe_layout(self.kv_layout),
             kv_disk.describe(bytes_per_block),
             self.max_model_len,
             fit.note,
@@ -209,6 +213,7 @@ class EngineBuilder:
             config.enable_prefix_caching,
             model_identity=source.origin,
             memory_blocks=memory_blocks,
+            group_windows=self.kv_layout.group_windows,
         )
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -226,7 +231,7 @@ class EngineBuilder:
                 else None
             ),
         )
-        self.executor.allocate(self.num_blocks, config.block_size, swap, kv_disk)
+        self.executor.allocate(self.num_blocks, config.block_size, swap, kv_disk, self.kv_layout)
         if kv_disk.blocks:  # cold cached blocks move into the file instead of being dropped
             self.kv_manager.pool.copy_blocks = kv_block_copier(self.executor.kv_caches)
         self.disk_cache = None
@@ -336,6 +341,54 @@ class EngineBuilder:
             raise ContextLengthError(self.config.max_model_len, limit)
         return self.config.max_model_len
 
+    def _choose_kv_layout(self) -> KVLayout:
+        """Sliding-window layers free what left their window (engine/kv_layout.py) unless
+        the model has none that ever would, or the engine keeps one table per request:
+        disable_hybrid_kv_cache_manager, tensor parallelism (the ranks' step messages
+        carry one table) or a disk prefix cache (its files hold every layer of a block)."""
+        cfg, config = self.model_config, self.config
+        windows = [cfg.layer_sliding_window(layer) for layer in range(cfg.num_layers)]
+        plain = plain_layout(cfg.num_layers)
+        if not cfg.causal or not any(window and window < self.max_model_len for window in windows):
+            return plain
+        keeps_all = (
+            "disable_hybrid_kv_cache_manager"
+            if config.disable_hybrid_kv_cache_manager
+            else "tensor_parallel_size > 1"
+            if config.tensor_parallel_size > 1
+            else "prefix_cache_dir"
+            if config.prefix_cache_dir is not None
+            else ""
+        )
+        if keeps_all:
+            logger.info("%s: sliding-window layers keep every token's keys", keeps_all)
+            return plain
+        return windowed_layout(windows)
+
+    def _sequence_blocks(self, num_tokens: int) -> int:
+        """Blocks one sequence of `num_tokens` holds at most in this engine's layout."""
+        return self.kv_layout.sequence_blocks(
+            num_tokens, self.config.block_size, self._step_tokens_bound()
+        )
+
+    def _tokens_held(self, num_blocks: int) -> int:
+        """The longest sequence `num_blocks` blocks hold in this engine's layout."""
+        return self.kv_layout.max_sequence_tokens(
+            num_blocks, self.config.block_size, self._step_tokens_bound()
+        )
+
+    def _step_tokens_bound(self) -> int:
+        """The most tokens one request adds in a step: the step's budget and its drafts."""
+        budget = self.config.max_num_batched_tokens
+        if budget is None:
+            budget = (
+                default_batched_tokens(self.device)
+                if self.config.enable_chunked_prefill
+                else self.max_model_len
+            )
+        speculation = self.config.speculation
+        return budget + (speculation.num_speculative_tokens if speculation else 0)
+
     def _kv_disk_plan(self, bytes_per_block: int) -> KVDiskPlan:
         """The KV disk tier (kv_disk_space): a CPU decoder's, in one process."""
         if not self.config.kv_disk_space:
@@ -365,6 +418,8 @@ class EngineBuilder:
             bytes_per_block,
             config.block_size,
             disk_blocks=disk_blocks,
+            sequence_blocks=self._sequence_blocks,
+            tokens_held=self._tokens_held,
         )
         self.max_model_len = fit.max_model_len
         return fit
@@ -416,7 +471,7 @@ class EngineBuilder:
             num_blocks = self.executor.profile_num_blocks(per_block, tokens, block_size)
         else:
             num_blocks = fit.kv_budget_bytes // per_block
-        holds = (num_blocks + kv_disk.blocks) * block_size
+        holds = self._tokens_held(num_blocks + kv_disk.blocks)
         if self.config.max_model_len is None and 0 < holds < self.max_model_len:
             # Not set: as long as the cache holds (vLLM's estimated maximum model length).
             logger.warning(
@@ -425,7 +480,12 @@ class EngineBuilder:
                 holds,
             )
             self.max_model_len = holds
-        check_blocks_hold_a_sequence(num_blocks + kv_disk.blocks, block_size, self.max_model_len)
+        check_blocks_hold_a_sequence(
+            num_blocks + kv_disk.blocks,
+            block_size,
+            self.max_model_len,
+            self._sequence_blocks(self.max_model_len),
+        )
         return int(num_blocks)
 
 

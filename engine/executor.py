@@ -1,6 +1,6 @@
 """How a step's forward pass runs: one interface, chosen once at engine setup.
 
-    LLMEngine.step():  schedule -> Executor.execute(step, block_ids) -> sample -> update
+    LLMEngine.step():  schedule -> Executor.execute(step, block_tables) -> sample -> update
                                    |
          LocalExecutor             this process's model and KV cache (eager torch)
          TensorParallelExecutor    rank 0 here, ranks 1..k-1 spawned (distributed/tp_runner.py)
@@ -10,7 +10,7 @@ in memory (on GPU, from what a warm-up forward leaves free):
 
     executor = build_executor(...)             weights loaded; executor.model is rank 0's
     executor.allocate(num_blocks, block_size)  KV cache (and swap tiers) on every rank
-    executor.execute(step, block_ids)          -> logits [N, vocab] float32, sampled rows,
+    executor.execute(step, block_tables)       -> logits [N, vocab] float32, sampled rows,
                                                   pooled parts of embedding requests
     executor.shutdown()
 
@@ -29,6 +29,7 @@ from torch import nn
 from .compute_plan import ComputePlan
 from .config import EngineConfig
 from .kv_disk_tier import NO_KV_DISK, KVDiskPlan
+from .kv_layout import KVLayout
 from .model_loader import iter_weights
 from .model_runner import ModelRunner, profile_kv_blocks
 from .models.backend import backend_for
@@ -57,15 +58,17 @@ class Executor(Protocol):
         block_size: int,
         swap: SwapPlan = NO_SWAP,
         kv_disk: KVDiskPlan = NO_KV_DISK,
+        layout: KVLayout | None = None,
     ) -> None:
         """Make the KV cache (and the swap space's tiers) on every rank; its last
-        kv_disk.blocks blocks in the KV disk tier (one process only)."""
+        kv_disk.blocks blocks in the KV disk tier (one process only); its tensors and
+        block-table groups as `layout` says (default: the plain one)."""
         ...
 
     def execute(
-        self, step: SchedulerOutput, block_ids: list[list[int]]
+        self, step: SchedulerOutput, block_tables: list[list[list[int]]]
     ) -> tuple[torch.Tensor, list[int], PooledParts]:
-        """Run one step: logits [N, vocab] float32 and the indexes (into step.scheduled)
+        """Run one step (block_tables[i][g]: group g's table of step.scheduled[i]): logits [N, vocab] float32 and the indexes (into step.scheduled)
         of the requests they belong to, in order: one row each, or 1 + k rows for a
         request verifying k draft tokens; and what the step adds to each embedding
         request's pooled vector."""
@@ -115,6 +118,7 @@ class LocalExecutor:
         block_size: int,
         swap: SwapPlan = NO_SWAP,
         kv_disk: KVDiskPlan = NO_KV_DISK,
+        layout: KVLayout | None = None,
     ) -> None:
         self.runner = ModelRunner(
             self.model,
@@ -125,13 +129,14 @@ class LocalExecutor:
             swap=swap,
             kv_cache_dtype=self.plan.kv_cache_dtype,
             kv_disk=kv_disk,
+            layout=layout,
         )
 
     def execute(
-        self, step: SchedulerOutput, block_ids: list[list[int]]
+        self, step: SchedulerOutput, block_tables: list[list[list[int]]]
     ) -> tuple[torch.Tensor, list[int], PooledParts]:
         assert self.runner is not None, "allocate() the KV cache before the first step"
-        return self.runner.execute(step, block_ids)
+        return self.runner.execute(step, block_tables)
 
     def claim_thread(self) -> None:
         """On the CPU fast path, this thread's steps run on the kernels' own thread pool
@@ -144,7 +149,9 @@ class LocalExecutor:
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.runner.kv_caches if self.runner is not None else []
+        """Every distinct (key, value) tensor pair of the KV cache (per layer in the plain
+        layout): what block copies go over."""
+        return self.runner.kv_slots if self.runner is not None else []
 
     def shutdown(self) -> None:
         pass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,19 @@ DEFAULT_KV_SHARE_OF_MEMORY = 4  # the default budget grows to at most memory / t
 
 
 def kv_bytes_per_block(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, world_size: int = 1
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    world_size: int = 1,
+    num_slots: int | None = None,
 ) -> int:
     """Bytes of keys and values of one block of `block_size` tokens on one rank (each of
-    `world_size` tensor-parallel ranks holds 1/world_size of the KV heads)."""
+    `world_size` tensor-parallel ranks holds 1/world_size of the KV heads). A block is a
+    row of `num_slots` layers' tensors (KVLayout.num_slots; default every layer)."""
     element = torch.tensor([], dtype=dtype).element_size()
     heads = cfg.num_kv_heads // world_size
-    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * element
+    layers = cfg.num_layers if num_slots is None else num_slots
+    return 2 * layers * block_size * heads * cfg.head_dim * element
 
 
 def machine_memory_bytes() -> int:
@@ -62,11 +69,20 @@ def fit_cpu_context(
     block_size: int,
     memory_bytes: int | None = None,
     disk_blocks: int = 0,
+    sequence_blocks: Callable[[int], int] | None = None,
+    tokens_held: Callable[[int], int] | None = None,
 ) -> ContextFit:
     """The KV budget for a CPU engine, and max_model_len lowered to fit it (with the KV
     disk tier's `disk_blocks`) when the user did not set max_model_len (`defaulted`). An
-    explicit max_model_len the two cannot hold is left for the block count check to refuse."""
-    full_sequence = -(-max_model_len // block_size) * per_block
+    explicit max_model_len the two cannot hold is left for the block count check to refuse.
+
+    sequence_blocks(n): the blocks one sequence of n tokens holds; tokens_held(b): the
+    longest sequence b blocks hold (KVLayout's; default: a block per block_size tokens)."""
+    if sequence_blocks is None:
+        sequence_blocks = lambda tokens: -(-tokens // block_size)  # noqa: E731
+    if tokens_held is None:
+        tokens_held = lambda blocks: blocks * block_size  # noqa: E731
+    full_sequence = sequence_blocks(max_model_len) * per_block
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     else:
@@ -75,7 +91,7 @@ def fit_cpu_context(
         # The disk tier holds what a full sequence needs past the default budget.
         memory_part = max(full_sequence - disk_blocks * per_block, 0)
         budget = min(max(DEFAULT_CPU_KV_BYTES, memory_part), ceiling)
-    holds = (budget // per_block + disk_blocks) * block_size
+    holds = tokens_held(budget // per_block + disk_blocks)
     if not defaulted or holds >= max_model_len:
         return ContextFit(max_model_len, budget)
     setting = (
@@ -93,12 +109,16 @@ def fit_cpu_context(
     return ContextFit(holds, budget, note)
 
 
-def check_blocks_hold_a_sequence(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    """ValueError when the KV cache cannot hold one sequence of max_model_len."""
-    min_blocks = -(-max_model_len // block_size)
+def check_blocks_hold_a_sequence(
+    num_blocks: int, block_size: int, max_model_len: int, min_blocks: int | None = None
+) -> None:
+    """ValueError when the KV cache cannot hold one sequence of max_model_len (which
+    takes `min_blocks`; default one per block_size tokens)."""
+    if min_blocks is None:
+        min_blocks = -(-max_model_len // block_size)
     if num_blocks < min_blocks:
         raise ValueError(
-            f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one "
+            f"the KV cache holds {num_blocks} blocks of {block_size} tokens but one "
             f"sequence of max_model_len {max_model_len} needs {min_blocks}; raise "
             "kv_cache_memory / gpu_memory_utilization or lower max_model_len"
         )

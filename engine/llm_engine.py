@@ -139,17 +139,17 @@ class LLMEngine(EngineParts):
 
     def _run(self, out: SchedulerOutput, iteration: IterationStats, touched: dict) -> None:
         """execute -> sample -> update, for one scheduled step."""
-        block_ids = [
-            self.kv_manager.get_block_ids(item.request.request_id) for item in out.scheduled
+        block_tables = [
+            self.kv_manager.get_block_tables(item.request.request_id) for item in out.scheduled
         ]
 
         def recompute_logits() -> torch.Tensor:  # the same step again, its swaps already done
-            return self.executor.execute(replace(out, swap_out=[], swap_in=[]), block_ids)[0]
+            return self.executor.execute(replace(out, swap_out=[], swap_in=[]), block_tables)[0]
 
         tokens: list[list[int]] = [[] for _ in out.scheduled]
         logprobs: list[list] = [[] for _ in out.scheduled]
         try:
-            logits, sampled_rows, pooled = self.executor.execute(out, block_ids)
+            logits, sampled_rows, pooled = self.executor.execute(out, block_tables)
             failed = self._sample(
                 out, logits, sampled_rows, tokens, logprobs, iteration, recompute_logits
             )
@@ -275,7 +275,7 @@ class LLMEngine(EngineParts):
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             kv_tokens_held=sum(r.num_computed_tokens for r in running),
-            kv_slots_reserved=block_size * sum(kv.num_blocks_of(r.request_id) for r in running),
+            kv_slots_reserved=block_size * sum(kv.num_entries_of(r.request_id) for r in running),
             prefix_cache_disk_loaded=self.disk_cache.loaded_tokens if self.disk_cache else 0,
             prefix_cache_disk_written=self.disk_cache.written_tokens if self.disk_cache else 0,
             swapped_blocks_host=swapped_host,

@@ -31,6 +31,7 @@ import torch
 
 from .attention_metadata import AttentionMetadata
 from .kv_disk_tier import NO_KV_DISK, KVDiskFile, KVDiskPlan
+from .kv_layout import KVLayout, plain_layout
 from .models.causal_lm import CausalLM
 from .pooling import PooledParts, pool_step
 from .scheduler import SchedulerOutput
@@ -133,9 +134,14 @@ class ModelRunner:
         swap: SwapPlan = NO_SWAP,
         kv_cache_dtype: torch.dtype | None = None,
         kv_disk: KVDiskPlan = NO_KV_DISK,
+        layout: KVLayout | None = None,
     ):
-        """num_blocks: every KV block, the last kv_disk.blocks of them in the disk tier."""
+        """num_blocks: every KV block, the last kv_disk.blocks of them in the disk tier.
+        layout: which cache tensors and block table each layer uses (engine/kv_layout.py;
+        default: a tensor pair per layer, one table)."""
         cfg = model.config
+        self.layout = layout = layout or plain_layout(cfg.num_layers)
+        assert len(layout.layer_slots) == cfg.num_layers, (layout, cfg.num_layers)
         kv_dtype = kv_cache_dtype or model.dtype
         self.model = model
         self.block_size = block_size
@@ -144,10 +150,11 @@ class ModelRunner:
         k_shape, v_shape = kv_cache_shapes(
             attention_backend, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim
         )
-        # One (key, value) pair of tensors per layer; blocks along dim 0 in every layout.
+        # One (key, value) pair of tensors per slot of the layout (per layer in the plain
+        # one); blocks along dim 0 in every layout.
         disk_file = None
         if kv_disk.blocks:
-            disk_file = KVDiskFile(kv_disk, [k_shape, v_shape] * cfg.num_layers, kv_dtype)
+            disk_file = KVDiskFile(kv_disk, [k_shape, v_shape] * layout.num_slots, kv_dtype)
 
         def zeros(shape: tuple[int, ...]) -> torch.Tensor:
             if disk_file is not None:
@@ -155,23 +162,29 @@ class ModelRunner:
             return _zeros_on_huge_pages(shape, kv_dtype, device)
 
         try:
-            self.kv_caches = [(zeros(k_shape), zeros(v_shape)) for _ in range(cfg.num_layers)]
+            # Every distinct tensor pair once: what block copies (swap, the disk tier's
+            # moves, the disk prefix cache) go over.
+            self.kv_slots = [(zeros(k_shape), zeros(v_shape)) for _ in range(layout.num_slots)]
         finally:
             if disk_file is not None:
                 disk_file.close()  # the mappings hold the file; an early failure frees it
+        # Per layer, the pair it reads and writes (the same pair for the k-th layer of
+        # every group of a grouped layout).
+        self.kv_caches = [self.kv_slots[slot] for slot in layout.layer_slots]
         # Blocks from here on are in the disk tier; steps count how many they read.
         self.first_disk_block = num_blocks - kv_disk.blocks
         self.num_blocks = num_blocks
         self.kv_disk_block_reads = 0
         self.swap_space = SwapSpace(
-            swap, k_shape, v_shape, cfg.num_layers, kv_dtype, pin_memory=device.type == "cuda"
+            swap, k_shape, v_shape, layout.num_slots, kv_dtype, pin_memory=device.type == "cuda"
         )
 
     # ------------------------------------------------------------------ inputs
     def prepare(
-        self, out: SchedulerOutput, block_ids: list[list[int]]
+        self, out: SchedulerOutput, block_tables: list[list[list[int]]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
-        """Flat inputs for a step. block_ids[i] are the blocks of out.scheduled[i].
+        """Flat inputs for a step. block_tables[i][g] is block-table group g of
+        out.scheduled[i] (one group in the plain layout; KVCacheManager.get_block_tables).
 
         Returns input_ids [T], positions [T], metadata, logits_indices [N] and the indexes
         (into out.scheduled) of the requests that get a sampled token: each has one logits
@@ -182,15 +195,17 @@ class ModelRunner:
         num_tokens = out.num_batched_tokens
         input_ids = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
-        slot_mapping = np.empty(num_tokens, dtype=np.int64)
         cu_seqlens = np.zeros(len(scheduled) + 1, dtype=np.int32)
         seq_lens = np.empty(len(scheduled), dtype=np.int32)
-        max_blocks = max((len(b) for b in block_ids), default=0)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        num_groups = self.layout.num_groups
+        max_blocks = max((len(tables[0]) for tables in block_tables), default=0)
+        # [groups, B, max_blocks] and [groups, T]: group 0 first (the only one, plain).
+        group_tables = np.zeros((num_groups, len(scheduled), max_blocks), dtype=np.int32)
+        group_slots = np.empty((num_groups, num_tokens), dtype=np.int64)
         sampled_rows: list[int] = []
         logit_rows: list[int] = []
         offset = 0
-        for i, (item, blocks) in enumerate(zip(scheduled, block_ids)):
+        for i, (item, tables) in enumerate(zip(scheduled, block_tables)):
             start, n = item.start, item.num_tokens
             end = offset + n
             num_drafts = len(item.draft_token_ids)
@@ -200,12 +215,13 @@ class ModelRunner:
                 input_ids[offset + known : end] = item.draft_token_ids
             pos = np.arange(start, start + n)
             positions[offset:end] = pos
-            if blocks:
-                table = np.asarray(blocks, dtype=np.int64)
-                block_tables[i, : len(blocks)] = table
-                slot_mapping[offset:end] = table[pos // bs] * bs + pos % bs
-            else:  # an encoder's prompt: nothing is cached
-                slot_mapping[offset:end] = -1
+            for group, blocks in enumerate(tables):
+                if blocks:
+                    table = np.asarray(blocks, dtype=np.int64)
+                    group_tables[group, i, : len(blocks)] = table
+                    group_slots[group, offset:end] = table[pos // bs] * bs + pos % bs
+                else:  # an encoder's prompt: nothing is cached
+                    group_slots[group, offset:end] = -1
             seq_lens[i] = start + n
             cu_seqlens[i + 1] = end
             if item.completes_prompt and item.request.pooling is None:
@@ -213,17 +229,21 @@ class ModelRunner:
                 logit_rows.extend(range(end - 1 - num_drafts, end))
             offset = end
         if self.first_disk_block < self.num_blocks:
-            self.kv_disk_block_reads += int(np.count_nonzero(block_tables >= self.first_disk_block))
+            self.kv_disk_block_reads += int(np.count_nonzero(group_tables >= self.first_disk_block))
         to = self.device
+        tables_t = torch.from_numpy(group_tables).to(to)
+        slots_t = torch.from_numpy(group_slots).to(to)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(to),
+            slot_mapping=slots_t[0],
             cu_seqlens_q=torch.from_numpy(cu_seqlens).to(to),
             seq_lens=torch.from_numpy(seq_lens).to(to),
-            block_tables=torch.from_numpy(block_tables).to(to),
+            block_tables=tables_t[0],
             max_seqlen_q=max(item.num_tokens for item in scheduled),
             max_seqlen_k=int(seq_lens.max()),
             backend=self.backend,
         )
+        if self.layout.grouped:
+            meta.set_groups(tables_t, slots_t, self.layout.layer_groups)
         logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=to)
         return (
             torch.from_numpy(input_ids).to(to),
@@ -236,12 +256,12 @@ class ModelRunner:
     # ----------------------------------------------------------------- execute
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, block_ids: list[list[int]]
+        self, out: SchedulerOutput, block_tables: list[list[list[int]]]
     ) -> tuple[torch.Tensor, list[int], PooledParts]:
         """Run one step; returns logits [N, vocab] (float32), the rows they belong to, and
         what the step's rows add to each embedding request (engine/pooling.py)."""
         self.swap(out.swap_out, out.swap_in, out.swap_ahead)
-        input_ids, positions, meta, logits_indices, sampled_rows = self.prepare(out, block_ids)
+        input_ids, positions, meta, logits_indices, sampled_rows = self.prepare(out, block_tables)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         pooled = pool_step(hidden, out.scheduled) if out.num_pooling else {}
         return self.logits(hidden, logits_indices), sampled_rows, pooled
@@ -276,8 +296,8 @@ class ModelRunner:
 
         Each swap entry is (block ids in the KV cache, slots in the swap space's tiers)."""
         for block_ids, slots in swap_out:
-            self.swap_space.store(self.kv_caches, block_ids, slots)
+            self.swap_space.store(self.kv_slots, block_ids, slots)
         for block_ids, slots in swap_in:
-            self.swap_space.load(self.kv_caches, block_ids, slots)
+            self.swap_space.load(self.kv_slots, block_ids, slots)
         if swap_ahead:
             self.swap_space.read_ahead(swap_ahead)

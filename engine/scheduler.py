@@ -26,7 +26,7 @@ import os
 import time
 
 from .client_share import StepShares
-from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_cache_manager import GroupBlocks, KVCacheManager, cdiv
 from .prefill_cost import PrefillCost, StepUnits
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
@@ -217,7 +217,7 @@ class Scheduler:
             if self.policy.sort_key(waiting) >= key:
                 break
             need = waiting.num_tokens - waiting.num_computed_tokens
-            blocks += cdiv(waiting.num_tokens, self.kv.block_size)
+            blocks += self.kv.blocks_for_prompt(waiting.num_tokens)
             if not self.kv.can_fit(blocks):  # it could not start: do not hold anyone back
                 break
             reserved += need
@@ -240,8 +240,9 @@ class Scheduler:
                 shares.charge(request, request.num_tokens)
                 continue
             swap_slots = self.swapped.get(request.request_id)
+            hits: GroupBlocks = []
             if swap_slots is not None:  # its computed KV waits in host memory
-                hits, num_computed = [], request.num_computed_tokens  # type: ignore[var-annotated]
+                num_computed = request.num_computed_tokens
             else:
                 hits, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
@@ -256,17 +257,16 @@ class Scheduler:
                 num_new = units.cap(num_new, num_computed)
                 if num_new <= 0:  # the step's units are spent at this prompt's depth
                     break
-            if swap_slots is not None:
-                request.num_computed_tokens = 0  # allocate blocks for the swapped tokens too
-                ok = self.kv.allocate_slots(request, num_computed + num_new)
-                request.num_computed_tokens = num_computed
+            if swap_slots is not None:  # blocks for its swapped tokens come with the new ones
+                ok = self.kv.allocate_slots(request, num_new)
             else:
                 ok = self.kv.allocate_slots(request, num_new, hits)
             if not ok:
                 break
             self.waiting.pop(position)
             if swap_slots is not None:
-                block_ids = self.kv.get_block_ids(request.request_id)[: len(swap_slots)]
+                block_ids = self.kv.held_block_ids(request.request_id, num_computed)
+                assert len(block_ids) == len(swap_slots), (request, block_ids, swap_slots)
                 out.swap_in.append((block_ids, swap_slots))
                 self.num_blocks_swapped_in += len(swap_slots)
                 self._release_swap_slots(request.request_id)
@@ -288,7 +288,9 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         # Its blocks hold exactly its computed tokens: it is not scheduled in this step.
-        block_ids = self.kv.get_block_ids(request.request_id)
+        # Only what resuming reads is copied: none of what its sliding windows have left.
+        self.kv.trim_to_window(request)
+        block_ids = self.kv.held_block_ids(request.request_id, request.num_computed_tokens)
         if block_ids and self.free_swap_slots.num_free >= len(block_ids):
             slots = self.free_swap_slots.take(len(block_ids))
             self.swapped[request.request_id] = slots
@@ -371,7 +373,7 @@ class Scheduler:
             if self.encoder_only:
                 assert item.start == 0 and item.completes_prompt, request
                 continue
-            blocks = self.kv.num_blocks_of(request.request_id)
+            blocks = self.kv.num_entries_of(request.request_id)
             assert blocks >= cdiv(item.start + item.num_tokens, self.kv.block_size), request
         for request in self.waiting:
             assert not request.is_finished, request

@@ -59,6 +59,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
+    parser.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="keep every sliding-window layer's keys for the whole sequence (default: what "
+        "left a layer's window is freed)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument(
         "--num-threads",
@@ -97,6 +103,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_disk_space=args.kv_disk_space,
         swap_dir=args.swap_dir,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         device=args.device,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -80,9 +80,9 @@ def test_prefix_hits_are_full_blocks_and_never_the_last_token():
     # Same 12 tokens: at most 11 may be cached, so only 2 full blocks hit.
     second = make_request("b", prompt)
     hits, num_tokens = kv.get_computed_blocks(second)
-    assert num_tokens == 8 and [b.block_id for b in hits] == kv.get_block_ids("a")[:2]
+    assert num_tokens == 8 and [b.block_id for b in hits[0]] == kv.get_block_ids("a")[:2]
     assert kv.allocate_slots(second, len(prompt) - num_tokens, hits)
-    assert all(b.ref_cnt == 2 for b in hits)
+    assert all(b is not None and b.ref_cnt == 2 for b in hits[0])
     # A different salt never shares.
     salted = make_request("c", prompt, salt="tenant-2")
     assert kv.get_computed_blocks(salted) == ([], 0)
@@ -117,6 +117,7 @@ def test_hits_on_free_cached_blocks_count_against_free_space():
     kv.pool.check_consistency()
 
 
+@pytest.mark.parametrize("group_windows", [(None,), (None, 6, 6)], ids=["plain", "windowed"])
 @settings(max_examples=60, deadline=None)
 @given(
     ops=st.lists(
@@ -124,8 +125,8 @@ def test_hits_on_free_cached_blocks_count_against_free_space():
         max_size=60,
     )
 )
-def test_random_allocations_never_leak_or_double_count(ops):
-    kv = KVCacheManager(num_blocks=12, block_size=4)
+def test_random_allocations_never_leak_or_double_count(ops, group_windows):
+    kv = KVCacheManager(num_blocks=12, block_size=4, group_windows=group_windows)
     live: dict[str, Request] = {}
     for op, slot, size in ops:
         rid = f"r{slot}"
@@ -144,7 +145,7 @@ def test_random_allocations_never_leak_or_double_count(ops):
         elif op == "free" and rid in live:
             kv.free(live.pop(rid))
         kv.pool.check_consistency()
-        held = {b.block_id for r in live for b in kv.req_blocks.get(r, [])}
+        held = {b.block_id for r in live for group in kv.req_blocks.get(r, []) for b in group if b}
         assert kv.pool.num_free_blocks + len(held) == 12
     for request in list(live.values()):
         kv.free(request)

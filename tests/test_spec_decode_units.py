@@ -289,7 +289,7 @@ def test_drafted_slots_are_allocated_but_never_hashed_and_rejected_ones_come_bac
     assert kv.allocate_slots(request, 1, num_draft_tokens=5)
     assert kv.num_blocks_of("r") == 4  # slots for 13 tokens
     # Only block 1 (tokens 4..7, all the request's own) is newly hashed; the drafts' are not.
-    hashed = [b.block_hash is not None for b in kv.req_blocks["r"]]
+    hashed = [b.block_hash is not None for b in kv.req_blocks["r"][0]]
     assert hashed == [True, True, False, False]
     request.num_computed_tokens = 8 + 1  # one draft accepted
     kv.free_unused_slots(request)

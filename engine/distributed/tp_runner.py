@@ -1,7 +1,7 @@
 """The driver side of tensor parallelism: rank 0 in the engine's process, ranks 1..k-1 spawned.
 
     LLMEngine (scheduler, KV cache manager, sampler)        driver process = rank 0
-      TensorParallelExecutor.execute(out, block_ids)
+      TensorParallelExecutor.execute(out, block_tables)
         ModelRunner.prepare() -> flat batch
         broadcast_object_list(header) + broadcast(packed)  ---> ranks 1..k-1 (tp_worker._serve)
         forward on rank 0's shard   <-- all-reduce per attention and per MLP output -->
@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from ..config import EngineConfig
 from ..kv_disk_tier import NO_KV_DISK, KVDiskPlan
+from ..kv_layout import KVLayout
 from ..model_runner import ModelRunner, profile_kv_blocks
 from ..models.causal_lm import CausalLM
 from ..models.config import ModelConfig
@@ -218,9 +219,11 @@ class TensorParallelExecutor:
         block_size: int,
         swap: SwapPlan = NO_SWAP,
         kv_disk: KVDiskPlan = NO_KV_DISK,
+        layout: KVLayout | None = None,
     ) -> None:
         """Make every rank's KV cache and swap space (this rank's in a ModelRunner)."""
         assert not kv_disk.blocks, "the KV disk tier is one process's (refused by the config)"
+        assert layout is None or not layout.grouped, "ranks keep the plain KV layout"
         self._check_alive()
         header = dict(
             op="allocate",
@@ -267,14 +270,14 @@ class TensorParallelExecutor:
     # ------------------------------------------------------------------- steps
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, block_ids: list[list[int]]
+        self, out: SchedulerOutput, block_tables: list[list[list[int]]]
     ) -> tuple[torch.Tensor, list[int], dict]:
         """Run one step on every rank; returns logits [N, vocab] (float32) and their rows
         (and no pooled parts: embedding requests are refused under tensor parallelism)."""
         self._check_alive()
         runner = self.runner
         assert runner is not None, "allocate() the KV cache before the first step"
-        input_ids, positions, meta, logits_indices, sampled_rows = runner.prepare(out, block_ids)
+        input_ids, positions, meta, logits_indices, sampled_rows = runner.prepare(out, block_tables)
         fields, packed = pack_step(input_ids, positions, meta)
         header = dict(
             op="execute",

@@ -197,8 +197,8 @@ class CausalLM(nn.Module):
             x, residual = stack(x, positions, kv_caches, meta)
         else:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer(positions, x, kv_cache, meta, residual)
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                x, residual = layer(positions, x, kv_cache, meta.for_layer(index), residual)
         return self.norm(x, residual)[0]
 
     use_fused_stack = True  # False: run the layers module by module (the reference)

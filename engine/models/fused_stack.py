@@ -40,6 +40,13 @@ class FusedDecoderStack:
         """-> (the last layer's MLP output, the residual stream), as the layers hand on."""
         kv = [cache for pair in kv_caches for cache in pair]
         seq_ids = torch.arange(meta.seq_lens.shape[0])
+        if meta.layer_groups:  # every group's slots [G, T] and tables [G, B, max_blocks]
+            assert meta.group_slot_mappings is not None and meta.group_block_tables is not None
+            return torch.ops.pagedllm.decoder_stack(
+                self.stack, x, positions, kv, meta.group_slot_mappings, seq_ids,
+                meta.cu_seqlens_q, meta.seq_lens, meta.group_block_tables,
+                list(meta.layer_groups),
+            )  # fmt: skip
         return torch.ops.pagedllm.decoder_stack(
             self.stack, x, positions, kv, meta.slot_mapping, seq_ids, meta.cu_seqlens_q,
             meta.seq_lens, meta.block_tables,

@@ -33,7 +33,9 @@
 //
 // forward's arguments: x [T, H] float32; positions [T] int64; kv: per layer (k_cache,
 // v_cache) in the fast path's layout (attention.cpp); the step's slot_mapping, seq_ids,
-// cu_seqlens_q, seq_lens, block_tables (engine/attention_metadata.py).
+// cu_seqlens_q, seq_lens, block_tables (engine/attention_metadata.py). With layer_groups
+// (a layout of several block-table groups, engine/kv_layout.py) slot_mapping is [G, T],
+// block_tables [G, B, max_blocks], and layer l writes and reads group layer_groups[l]'s.
 
 #include "decoder.h"
 
@@ -273,9 +275,15 @@ class DecoderStack : public torch::CustomClassHolder {
   std::tuple<Tensor, Tensor> forward(const Tensor& x_in, const Tensor& positions,
                                      at::TensorList kv, const Tensor& slot_mapping,
                                      const Tensor& seq_ids, const Tensor& cu_seqlens_q,
-                                     const Tensor& seq_lens, const Tensor& block_tables) const {
+                                     const Tensor& seq_lens, const Tensor& block_tables,
+                                     at::IntArrayRef layer_groups) const {
     const int64_t layers = num_layers();
     TORCH_CHECK(layers > 0, "DecoderStack: no layers");
+    const bool grouped = !layer_groups.empty();
+    TORCH_CHECK(!grouped || (static_cast<int64_t>(layer_groups.size()) == layers &&
+                             slot_mapping.dim() == 2 && block_tables.dim() == 3),
+                "DecoderStack: layer_groups needs one group per layer, slot_mapping [G, T] "
+                "and block_tables [G, B, max_blocks]");
     TORCH_CHECK(static_cast<int64_t>(kv.size()) == 2 * layers, "DecoderStack: ", layers,
                 " layers need ", 2 * layers, " caches, got ", kv.size());
     const DecoderLayerWeights& first = layers_.front();
@@ -319,10 +327,12 @@ class DecoderStack : public torch::CustomClassHolder {
       const auto& [cos, sin] = rotary_[w.rotary];
       api::rotary_neox_(q, k, positions, cos, sin);
       Tensor k_cache = kv[2 * layer], v_cache = kv[2 * layer + 1];
-      api::write_kv_cache_(k, v, k_cache, v_cache, slot_mapping);
+      const Tensor slots = grouped ? slot_mapping.select(0, layer_groups[layer]) : slot_mapping;
+      const Tensor tables = grouped ? block_tables.select(0, layer_groups[layer]) : block_tables;
+      api::write_kv_cache_(k, v, k_cache, v_cache, slots);
       Tensor attn = buf.attn.view({t, heads_, head_dim_});
       api::paged_attention_rows_(q, k_cache, v_cache, attn, seq_ids, cu_seqlens_q, seq_lens,
-                                 block_tables, scale_, w.sliding_window, soft_cap_);
+                                 tables, scale_, w.sliding_window, soft_cap_);
       Tensor o = w.o->forward(buf.attn, &buf.proj);
       if (w.sandwich()) {
         Tensor normed = api::rms_norm(o, w.post_attention, eps_, &buf.normed);
@@ -367,13 +377,14 @@ void register_decoder_stack(torch::Library& m) {
   m.def(
       "decoder_stack(__torch__.torch.classes.pagedllm.DecoderStack stack, Tensor x, "
       "Tensor positions, Tensor[] kv, Tensor slot_mapping, Tensor seq_ids, "
-      "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_tables) -> (Tensor, Tensor)",
+      "Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_tables, int[] layer_groups=[]) "
+      "-> (Tensor, Tensor)",
       [](const StackPtr& stack, const at::Tensor& x, const at::Tensor& positions,
          at::TensorList kv, const at::Tensor& slot_mapping, const at::Tensor& seq_ids,
          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-         const at::Tensor& block_tables) {
+         const at::Tensor& block_tables, at::IntArrayRef layer_groups) {
         return stack->forward(x, positions, kv, slot_mapping, seq_ids, cu_seqlens_q, seq_lens,
-                              block_tables);
+                              block_tables, layer_groups);
       });
   // float32 [numel], a view of the calling thread's step workspace: valid until the next
   // decoder_stack or step_workspace call on this thread, which may overwrite it.
