@@ -12,7 +12,10 @@ For each context length L, one L-token prompt and 32 generated tokens (ignore_eo
     pagedllm    the same GGUF with its defaults (prefix caching off, so nothing is reused):
                 prompt tokens / time to the first token, and (32 - 1) / time from the first
                 token to the last
-    pagedllm, KV disk tier   the same, with KV memory for --kv-memory-tokens tokens (8192)
+    pagedllm, one table      with --one-table: disable_hybrid_kv_cache_manager, where every
+                sliding-window layer keeps the whole sequence's keys (before issue 42)
+    pagedllm, KV disk tier   the same, with KV memory for --kv-memory-tokens tokens (8192;
+                in the default layout, where sliding-window layers keep only their window)
                 and the rest in a `kv_disk_space` file (engine/kv_disk_tier.py): the cost of
                 a context past the KV memory while the page cache still holds the file
 
@@ -47,14 +50,15 @@ def worker(args: argparse.Namespace) -> dict:
     kwargs: dict = {}
     if args.kv_memory_tokens:
         kwargs = dict(
-            kv_cache_memory=args.kv_memory_tokens * args.kv_bytes_per_token,
-            kv_disk_space=args.context * args.kv_bytes_per_token * 1.1 / (1 << 30),
+            kv_cache_memory=kv_bytes_for(args.model, args.kv_memory_tokens),
+            kv_disk_space=kv_bytes_for(args.model, args.context) * 1.1 / (1 << 30),
         )
     llm = LLM(
         args.model,
         max_model_len=args.context + GEN + 16,
         enable_prefix_caching=False,
         disable_log_stats=True,
+        disable_hybrid_kv_cache_manager=args.one_table,
         **kwargs,
     )
     rng = random.Random(args.context)
@@ -73,10 +77,12 @@ def worker(args: argparse.Namespace) -> dict:
     return result
 
 
-def run_pagedllm(args: argparse.Namespace, context: int, kv_memory_tokens: int) -> dict:
+def run_pagedllm(
+    args: argparse.Namespace, context: int, kv_memory_tokens: int, one_table: bool = False
+) -> dict:
     command = [sys.executable, __file__, "--worker", "--model", str(args.model)]
     command += ["--context", str(context), "--kv-memory-tokens", str(kv_memory_tokens)]
-    command += ["--kv-bytes-per-token", str(args.kv_bytes_per_token)]
+    command += ["--one-table"] if one_table else []
     command += ["--threads", str(args.threads)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=tempfile.gettempdir())
     lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
@@ -97,19 +103,22 @@ def run_llama_cpp(binaries: Path, args: argparse.Namespace, context: int) -> dic
     }
 
 
-def kv_bytes_per_token(gguf: Path) -> int:
-    """16-bit keys and values of every layer for one token, as pagedllm holds them."""
-    from pagedllm_integrations.engine.gguf_loader import read_gguf
+def kv_bytes_for(gguf: Path, tokens: int) -> int:
+    """Bytes of 16-bit keys and values one sequence of `tokens` holds in pagedllm's default
+    KV layout (engine/kv_layout.py: sliding-window layers keep their window, 512-token
+    steps, 16-token blocks): the KV memory that holds that much context."""
+    import torch
 
-    meta = read_gguf(gguf).metadata
-    arch = meta["general.architecture"]
-    layers = int(meta[f"{arch}.block_count"])
-    kv_heads = meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"])
-    key_length = meta.get(f"{arch}.attention.key_length")
-    head_dim = int(
-        key_length or meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"]
-    )
-    return 2 * layers * int(kv_heads) * head_dim * 2
+    from pagedllm_integrations.engine.gguf_loader import gguf_to_hf_folder
+    from pagedllm_integrations.engine.kv_layout import windowed_layout
+    from pagedllm_integrations.engine.kv_sizing import kv_bytes_per_block
+    from pagedllm_integrations.engine.model_loader import read_config
+    from pagedllm_integrations.engine.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(read_config(gguf_to_hf_folder(gguf)))
+    layout = windowed_layout([cfg.layer_sliding_window(i) for i in range(cfg.num_layers)])
+    per_block = kv_bytes_per_block(cfg, 16, torch.bfloat16, num_slots=layout.num_slots)
+    return layout.sequence_blocks(tokens, 16, 512) * per_block
 
 
 def default_model() -> Path:
@@ -128,10 +137,12 @@ def main() -> int:
     parser.add_argument("--kv-memory-tokens", type=int, default=8192,
                         help="KV memory of the disk-tier runs, in tokens (0: no such run)")  # fmt: skip
     parser.add_argument("--skip", default="", help="comma-separated: llama.cpp, disk")
+    parser.add_argument("--one-table", action="store_true",
+                        help="also run pagedllm with disable_hybrid_kv_cache_manager (every "
+                        "sliding-window layer keeps the whole sequence)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--kv-bytes-per-token", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         import torch
@@ -140,7 +151,6 @@ def main() -> int:
         print(_RESULT + json.dumps(worker(args)), flush=True)
         return 0
     args.model = (args.model or default_model()).resolve()
-    args.kv_bytes_per_token = kv_bytes_per_token(args.model)
     skip = set(filter(None, args.skip.split(",")))
     binaries = None if "llama.cpp" in skip else Path(_tool("build-llama-cpp"))
     report: dict = {"model": args.model.name, "threads": args.threads, "contexts": {}}
@@ -148,6 +158,8 @@ def main() -> int:
         row: dict = {}
         started = time.perf_counter()
         row["pagedllm"] = run_pagedllm(args, context, 0)
+        if args.one_table:
+            row["pagedllm_one_table"] = run_pagedllm(args, context, 0, one_table=True)
         if args.kv_memory_tokens and context > args.kv_memory_tokens and "disk" not in skip:
             row["pagedllm_kv_disk"] = run_pagedllm(args, context, args.kv_memory_tokens)
         if binaries is not None:

@@ -159,6 +159,7 @@ def describe_layout(layout: KVLayout) -> str:
     windows = sorted({window for window in layout.group_windows if window is not None})
     sliding = sum(1 for group in layout.layer_groups if layout.group_windows[group] is not None)
     return (
-        f" of {layout.num_slots} layers each ({sliding} sliding-window layers keep their "
-        f"last {', '.join(map(str, windows))} tokens, in {layout.num_groups} block tables)"
+        f", each block {layout.num_slots} layers' keys and values ({sliding} sliding-window "
+        f"layers keep their last {', '.join(map(str, windows))} tokens, in block tables of "
+        f"their own: {layout.num_groups} tables per request)"
     )

@@ -12,13 +12,10 @@ What differs from the Llama block, all of it in this file or in config switches:
 - Gemma 2: attention-logit and final-logit soft-capping, cap * tanh(x / cap);
 - Gemma 3: RMSNorm (1 + w) over head_dim on q and k.
 
-KV cache: every layer keeps the whole sequence, sliding layers too. Keeping only the
-window in sliding layers would need a second block table per request (one block pool for
-windowed layers that frees blocks as they leave the window) and a prefix cache that knows
-windowed layers cannot restore evicted blocks; pagedllm has one block table shared by all
-layers, so a sliding layer simply does not read keys outside its window. The cost is
-memory: at contexts beyond the window, Gemma 3's five local layers of six hold keys they
-will never read again.
+KV cache: a sliding layer reads only keys in its window; the engine's default KV layout
+(engine/kv_layout.py) gives the sliding layers block tables of their own and frees what
+their window has left, so at 32k tokens Gemma 3's five local layers of six hold about
+their window, not the whole sequence. Nothing here depends on it.
 """
 
 from __future__ import annotations
