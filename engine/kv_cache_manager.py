@@ -72,6 +72,9 @@ class KVCacheManager:
         self.group_windows = tuple(group_windows)
         self.pool = BlockPool(num_blocks, memory_blocks)
         self.req_blocks: dict[str, GroupBlocks] = {}
+        # The same tables as block ids (a freed entry: 0), kept in step with req_blocks so
+        # that a step's tables are not rebuilt from every entry of every group.
+        self.req_ids: dict[str, list[list[int]]] = {}
         # How many of a request's table entries are registered in the prefix cache.
         self.req_num_cached_blocks: dict[str, int] = {}
         self._identity = model_identity
@@ -218,7 +221,8 @@ class KVCacheManager:
         first_new = request.num_computed_tokens + num_hit_tokens
         total_tokens = first_new + num_new_tokens
         num_entries = cdiv(total_tokens + num_draft_tokens, self.block_size)
-        self._free_out_of_window(groups, first_new)
+        ids = self.req_ids.get(request.request_id)
+        self._free_out_of_window(groups, first_new, ids)
         num_needed = 0
         for group, blocks in enumerate(groups):
             first = self._first_kept(group, first_new)
@@ -235,25 +239,44 @@ class KVCacheManager:
         if hits[0] and self.hit_listener is not None:
             self.hit_listener(request, [block for block in hits[0] if block is not None])
         fresh = iter(self.pool.get_new_blocks(num_needed)) if num_needed else iter(())
+        if ids is None:
+            ids = [[] for _ in self.group_windows]
         for group, blocks in enumerate(groups):
+            known = len(blocks)
             blocks.extend(hits[group])
             first = self._first_kept(group, first_new)
             if len(blocks) < first:
                 blocks.extend([None] * (first - len(blocks)))
             blocks.extend(next(fresh) for _ in range(num_entries - len(blocks)))
+            ids[group].extend(0 if block is None else block.block_id for block in blocks[known:])
         self.req_blocks[request.request_id] = groups
+        self.req_ids[request.request_id] = ids
         if self.enable_caching:
             self._cache_full_blocks(request, groups, total_tokens)
         return True
 
-    def _free_out_of_window(self, groups: GroupBlocks, first_new: int) -> None:
-        """Free the entries of sliding groups that no query from `first_new` on reads."""
+    def _free_out_of_window(
+        self, groups: GroupBlocks, first_new: int, ids: list[list[int]] | None
+    ) -> None:
+        """Free the entries of sliding groups that no query from `first_new` on reads.
+
+        The freed entries are always a prefix of a table, so the walk goes back from the
+        new window's start to the first entry already freed: a step's cost is what it
+        frees, not the sequence's length."""
         for group, blocks in enumerate(groups):
-            first = min(self._first_kept(group, first_new), len(blocks))
-            gone = [block for block in blocks[:first] if block is not None]
-            if gone:
-                blocks[:first] = [None] * first
-                self.pool.free_blocks(gone)
+            index = min(self._first_kept(group, first_new), len(blocks)) - 1
+            gone: list[KVCacheBlock] = []
+            while index >= 0:
+                block = blocks[index]
+                if block is None:
+                    break
+                gone.append(block)
+                blocks[index] = None
+                if ids is not None:
+                    ids[group][index] = 0
+                index -= 1
+            if gone:  # earliest first: the entries next to the window stay cached longest
+                self.pool.free_blocks(reversed(gone))
 
     def _cache_full_blocks(self, request: Request, groups: GroupBlocks, num_tokens: int) -> None:
         """Register the blocks that are full once this step's tokens are written.
@@ -284,6 +307,7 @@ class KVCacheManager:
         their contents were never written).
         """
         groups = self.req_blocks.pop(request.request_id, [])
+        self.req_ids.pop(request.request_id, None)
         self.req_num_cached_blocks.pop(request.request_id, None)
         # Sliding groups first: group 0's chain is what every hit starts from.
         for blocks in reversed(groups):
@@ -299,7 +323,9 @@ class KVCacheManager:
         on (before it is swapped out: only what it resumes with is copied)."""
         groups = self.req_blocks.get(request.request_id)
         if groups is not None:
-            self._free_out_of_window(groups, request.num_computed_tokens)
+            self._free_out_of_window(
+                groups, request.num_computed_tokens, self.req_ids.get(request.request_id)
+            )
 
     def free_unused_slots(self, request: Request) -> None:
         """Give back the blocks past a request's computed tokens (the slots of its rejected
@@ -308,11 +334,13 @@ class KVCacheManager:
         keep = cdiv(request.num_computed_tokens, self.block_size)
         if groups is None:
             return
-        for blocks in groups:
+        ids = self.req_ids.get(request.request_id, [])
+        for blocks, group_ids in zip(groups, ids):
             if len(blocks) <= keep:
                 continue
             unused = [block for block in blocks[keep:] if block is not None]
             del blocks[keep:]
+            del group_ids[keep:]
             self.pool.free_blocks(reversed(unused))
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -323,9 +351,9 @@ class KVCacheManager:
         return [0 if block is None else block.block_id for block in groups[0]]
 
     def get_block_tables(self, request_id: str) -> list[list[int]]:
-        """Every group's block table of a request; a freed entry reads as block 0."""
-        groups = self.req_blocks.get(request_id) or [[] for _ in self.group_windows]
-        return [[0 if block is None else block.block_id for block in blocks] for blocks in groups]
+        """Every group's block table of a request; a freed entry reads as block 0. The
+        manager's own lists: read them before the next allocation, never change them."""
+        return self.req_ids.get(request_id) or [[] for _ in self.group_windows]
 
     def held_block_ids(self, request_id: str, num_tokens: int) -> list[int]:
         """The blocks that hold a request's first `num_tokens` tokens, group after group,

@@ -215,13 +215,12 @@ class ModelRunner:
                 input_ids[offset + known : end] = item.draft_token_ids
             pos = np.arange(start, start + n)
             positions[offset:end] = pos
-            for group, blocks in enumerate(tables):
-                if blocks:
-                    table = np.asarray(blocks, dtype=np.int64)
-                    group_tables[group, i, : len(blocks)] = table
-                    group_slots[group, offset:end] = table[pos // bs] * bs + pos % bs
-                else:  # an encoder's prompt: nothing is cached
-                    group_slots[group, offset:end] = -1
+            if tables and tables[0]:  # every group has an entry per block of tokens
+                table = np.asarray(tables, dtype=np.int64)  # [groups, entries]
+                group_tables[:, i, : table.shape[1]] = table
+                group_slots[:, offset:end] = table[:, pos // bs] * bs + pos % bs
+            else:  # an encoder's prompt: nothing is cached
+                group_slots[:, offset:end] = -1
             seq_lens[i] = start + n
             cu_seqlens[i + 1] = end
             if item.completes_prompt and item.request.pooling is None:

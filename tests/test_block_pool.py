@@ -145,6 +145,10 @@ def test_random_allocations_never_leak_or_double_count(ops, group_windows):
         elif op == "free" and rid in live:
             kv.free(live.pop(rid))
         kv.pool.check_consistency()
+        for rid_live in live:  # the id tables the runner reads follow the blocks
+            assert kv.get_block_tables(rid_live) == [
+                [0 if b is None else b.block_id for b in group] for group in kv.req_blocks[rid_live]
+            ]
         held = {b.block_id for r in live for group in kv.req_blocks.get(r, []) for b in group if b}
         assert kv.pool.num_free_blocks + len(held) == 12
     for request in list(live.values()):
