@@ -21,6 +21,8 @@ from pagedllm_integrations.engine.sampling_params import SamplingParams as Engin
 from pagedllm_integrations.engine.white_box import core_of
 
 SLIDING, FULL = 16, None
+# Prompt lookup that drafts from a single matching token: drafts kept and rejected.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
 
 def make_request(request_id: str, prompt: list[int]) -> Request:
@@ -160,8 +162,10 @@ def tiny_gemma3(tmp_path_factory):
 
 
 def _prompts() -> list[list[int]]:
-    shared = [(7 * i) % 300 + 3 for i in range(96)]  # a shared system prompt, 6 blocks
-    return [shared + [(11 * i + j) % 300 + 3 for i in range(40 + 30 * j)] for j in range(4)]
+    """A shared 96-token system prompt (6 blocks), then 40-130 tokens of a 10-token phrase
+    said over and over (so that prompt lookup finds drafts to propose)."""
+    shared = [(7 * i) % 300 + 3 for i in range(96)]
+    return [shared + [(11 * i + j) % 300 + 3 for i in range(10)] * (4 + 3 * j) for j in range(4)]
 
 
 def _run(folder, backend: str, **settings):
@@ -213,9 +217,16 @@ def test_windowed_tables_give_the_tokens_of_one_table_with_fewer_blocks(tiny_gem
     assert windowed[2] <= cdiv(longest, 16) + 2 * (cdiv(SLIDING - 1 + 16, 16) + 1)
 
 
+@pytest.fixture(scope="module")
+def one_table_tokens(tiny_gemma3):
+    """The fast path's tokens with one table per request and whole sequences kept."""
+    return _run(tiny_gemma3, "cpu", disable_hybrid_kv_cache_manager=True)
+
+
 @pytest.mark.parametrize("swap", [0.0, 0.01], ids=["recompute", "swap"])
-def test_preempted_windowed_requests_resume_with_the_same_tokens(tiny_gemma3, swap):
-    roomy = _run(tiny_gemma3, "cpu", disable_hybrid_kv_cache_manager=True)
+def test_preempted_windowed_requests_resume_with_the_same_tokens(
+    tiny_gemma3, one_table_tokens, swap
+):
     tight = _run(
         tiny_gemma3, "cpu", num_kv_blocks=24, max_model_len=256, swap_space=swap,
         enable_prefix_caching=swap == 0.0,
@@ -223,4 +234,19 @@ def test_preempted_windowed_requests_resume_with_the_same_tokens(tiny_gemma3, sw
     assert tight[4]["num_preemptions"] > 0
     if swap:
         assert tight[4]["blocks_swapped_in"] == tight[4]["blocks_swapped_out"] > 0
-    assert tight[0] == roomy[0] and tight[1] == roomy[1]
+    assert tight[0] == one_table_tokens[0] and tight[1] == one_table_tokens[1]
+
+
+def test_windowed_tables_with_drafts_and_the_kv_disk_tier(tiny_gemma3, one_table_tokens):
+    """Prompt-lookup drafts (slots past the computed tokens, rejected ones given back) and
+    blocks in the KV disk tier's file (memory for 16 blocks) keep the same tokens."""
+    drafted = _run(tiny_gemma3, "cpu", speculative_config=SPEC)
+    on_disk = _run(tiny_gemma3, "cpu", num_kv_blocks=16, kv_disk_space=0.002)
+    assert drafted[0] == one_table_tokens[0] and drafted[1] == one_table_tokens[1]
+    assert (
+        drafted[4]["spec_decode_num_draft_tokens"]
+        > drafted[4]["spec_decode_num_accepted_tokens"]
+        > 0
+    )
+    assert on_disk[0] == one_table_tokens[0] and on_disk[1] == one_table_tokens[1]
+    assert on_disk[4]["kv_disk_blocks_taken"] > 0
