@@ -21,11 +21,11 @@ class AttentionMetadata:
     backend: str = "auto"  # kernels.ops backend: auto | torch | triton
     # A layout with several block-table groups (engine/kv_layout.py): every group's
     # tables [G, B, max_blocks] and slot mappings [G, T] (slot_mapping and block_tables
-    # above are group 0's), each layer's group, and one metadata per group.
+    # above are group 0's), each layer's group, and the metadata of groups 1 .. G-1.
     group_block_tables: torch.Tensor | None = None
     group_slot_mappings: torch.Tensor | None = None
     layer_groups: tuple[int, ...] = ()
-    _group_metas: list[AttentionMetadata] = field(default_factory=list, repr=False)
+    _other_groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -41,13 +41,13 @@ class AttentionMetadata:
         group must see the same objects."""
         self.group_block_tables, self.group_slot_mappings = tables, slot_mappings
         self.layer_groups = tuple(layer_groups)
-        self._group_metas = [self] + [
-            replace(self, block_tables=tables[g], slot_mapping=slot_mappings[g], _group_metas=[])
+        # Not self among them: no reference cycle, so a step's tensors go when it ends.
+        self._other_groups = [
+            replace(self, block_tables=tables[g], slot_mapping=slot_mappings[g], _other_groups=[])
             for g in range(1, int(tables.shape[0]))
         ]
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer `layer` attends with: its group's tables and slots."""
-        if not self.layer_groups:
-            return self
-        return self._group_metas[self.layer_groups[layer]]
+        group = self.layer_groups[layer] if self.layer_groups else 0
+        return self._other_groups[group - 1] if group else self
