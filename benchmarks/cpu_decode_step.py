@@ -51,6 +51,7 @@ def _bytes(weight) -> int:
 
 
 def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dict:
+    from pagedllm_integrations.engine.attention_metadata import AttentionMetadata
     from pagedllm_integrations.engine.models.fused_stack import _norm_scale
     from pagedllm_integrations.engine.white_box import core_of
     from pagedllm_integrations.kernels import reference
@@ -60,7 +61,7 @@ def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dic
     stack = model.fused_stack()
     if stack is None:
         raise SystemExit(f"the fused CPU stack is off here: {model.stack_status()}")
-    caches = engine.executor.kv_caches
+    caches = engine.executor.runner.kv_caches  # per layer (one table: see main's LLM)
     ops = torch.ops.pagedllm
     hidden, layers = model.config.hidden_size, list(model.layers)
     attn0 = layers[0].self_attn
@@ -144,8 +145,10 @@ def measure(llm, rows: int, keys: int, repeat: int, verify: bool = False) -> dic
     finally:
         ops.set_attention_prefetch(was)
 
-    meta = type("Step", (), {"slot_mapping": slots, "cu_seqlens_q": cu, "seq_lens": seq_lens,
-                             "block_tables": tables})  # fmt: skip
+    meta = AttentionMetadata(
+        slot_mapping=slots, cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables,
+        max_seqlen_q=rows if sequences == 1 else 1, max_seqlen_k=keys, backend="cpu",
+    )  # fmt: skip
     result["whole stack"] = best_of(repeat, lambda: stack(x, positions, caches, meta)) * 1e3
     result["lm head"] = best_of(repeat, lambda: model.compute_logits(h)) * 1e3
 
@@ -201,9 +204,12 @@ def main() -> int:
 
     all_rows = [int(r) for r in args.rows.split(",")]
     blocks = (1 if args.verify else max(all_rows)) * -(-args.keys // BLOCK) + 1
+    # One block table and a tensor pair per layer (a sliding-window model's default layout
+    # shares pairs between layers, kv_layout.py): the kernels timed here are the same.
     llm = LLM(
-        args.model, num_kv_blocks=blocks, max_model_len=args.keys + BLOCK, disable_log_stats=True
-    )
+        args.model, num_kv_blocks=blocks, max_model_len=args.keys + BLOCK,
+        disable_log_stats=True, disable_hybrid_kv_cache_manager=True,
+    )  # fmt: skip
     report = {"model": args.model or "default", "keys": args.keys,
               "threads": torch.get_num_threads(), "verify": args.verify}  # fmt: skip
     report["rows"] = {}

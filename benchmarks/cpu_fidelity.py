@@ -46,17 +46,22 @@ def window_nll(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
     """Summed negative log-likelihood of ids[1:] given their prefixes (one forward pass)."""
     runner = engine.executor.runner
     n, bs = len(ids), engine.config.block_size
-    blocks = torch.arange(-(-n // bs), dtype=torch.int32)[None]
+    per_table = -(-n // bs)
+    groups = runner.layout.num_groups  # each block-table group its own blocks (kv_layout.py)
+    blocks = torch.arange(groups * per_table, dtype=torch.int32).view(groups, 1, per_table)
     positions = torch.arange(n)
+    slots = torch.stack([positions + g * per_table * bs for g in range(groups)])  # [G, n]
     meta = AttentionMetadata(
-        slot_mapping=positions.clone(),
+        slot_mapping=slots[0],
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=blocks,
+        block_tables=blocks[0],
         max_seqlen_q=n,
         max_seqlen_k=n,
         backend=runner.backend,
     )
+    if runner.layout.grouped:
+        meta.set_groups(blocks, slots, runner.layout.layer_groups)
     hidden = engine.model(torch.tensor(ids), positions, runner.kv_caches, meta)
     logits = engine.model.compute_logits(hidden[:-1])
     targets = torch.tensor(ids[1:])

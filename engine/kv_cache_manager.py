@@ -241,7 +241,12 @@ class KVCacheManager:
         fresh = iter(self.pool.get_new_blocks(num_needed)) if num_needed else iter(())
         if ids is None:
             ids = [[] for _ in self.group_windows]
-        for group, blocks in enumerate(groups):
+        # Sliding groups first: they take back the blocks their windows just freed (without
+        # a hash those head the free queue), so the full layers' new blocks come from the
+        # untouched part of the pool, after their earlier ones, and a long context's
+        # full-attention reads stream through memory instead of hopping between blocks.
+        for group in reversed(range(len(groups))):
+            blocks = groups[group]
             known = len(blocks)
             blocks.extend(hits[group])
             first = self._first_kept(group, first_new)
