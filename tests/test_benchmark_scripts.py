@@ -2,7 +2,8 @@
 
 `benchmarks/cpu_decode_step.py` times the decoder stack's kernels one by one through the
 model's modules; when the stack's interface changed (named fields instead of positional
-lists) it broke without any test noticing. One tiny run of it here keeps it honest.
+lists) it broke without any test noticing. One tiny run of it here keeps it honest, and
+so does one of `benchmarks/fair_admission.py` (a server, HTTP clients, the engine's pool).
 """
 
 from __future__ import annotations
@@ -76,3 +77,24 @@ def test_model_sweep_merges_a_rerun_into_the_kept_report():
     assert merge(rerun, first)["read_gb_per_s"] == 28.8
     # A failed rerun does not mix with what was kept.
     assert merge(first, {"error": "boom"}) == {"error": "boom"}
+
+
+def test_fair_admission_runs_both_cases_end_to_end(tmp_path):
+    """Issue 42's two cases with short prompts (the full run's 7k-token ones take minutes):
+    the whole-queue request and twice the share are 400s, the share runs, another client's
+    chat is served meanwhile, and closing the bulk stream frees every KV block."""
+    report_path = tmp_path / "fair.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "fair_admission.py"), "--words", "24",
+        "--json", str(report_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    whole, burst = report["whole_queue_request"], report["long_burst"]
+    assert (whole["status"], whole["code"]) == (400, "client_limit_exceeded")
+    assert whole["other_client_chat"]["status"] == 200
+    assert burst["twice_the_share_status"] == 400 and burst["bulk_status"] == 200
+    assert burst["chat_while_bulk_runs"]["status"] == 200
+    assert burst["chat_while_bulk_runs"]["first_token_s"] is not None
+    assert burst["all_kv_blocks_free_after_close"]
