@@ -217,6 +217,16 @@ def test_windowed_tables_give_the_tokens_of_one_table_with_fewer_blocks(tiny_gem
     assert windowed[2] <= cdiv(longest, 16) + 2 * (cdiv(SLIDING - 1 + 16, 16) + 1)
 
 
+@pytest.mark.triton
+def test_windowed_tables_on_the_triton_kernels(tiny_gemma3):
+    """The Triton kernels (Triton's interpreter here) read and write each layer's group:
+    the same tokens as the torch path with one table."""
+    plain = _run(tiny_gemma3, "torch", disable_hybrid_kv_cache_manager=True)
+    windowed = _run(tiny_gemma3, "triton")
+    assert windowed[3] == 3
+    assert windowed[0] == plain[0] and windowed[1] == plain[1]
+
+
 @pytest.fixture(scope="module")
 def one_table_tokens(tiny_gemma3):
     """The fast path's tokens with one table per request and whole sequences kept."""
