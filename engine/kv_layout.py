@@ -158,8 +158,10 @@ def describe_layout(layout: KVLayout) -> str:
         return ""
     windows = sorted({window for window in layout.group_windows if window is not None})
     sliding = sum(1 for group in layout.layer_groups if layout.group_windows[group] is not None)
+    keep = f"{sliding} sliding-window layers keep their last {', '.join(map(str, windows))} tokens"
+    if layout.num_groups == 1:  # every layer slides (Mistral, Phi-3): one windowed table
+        return f" ({keep})"
     return (
-        f", each block {layout.num_slots} layers' keys and values ({sliding} sliding-window "
-        f"layers keep their last {', '.join(map(str, windows))} tokens, in block tables of "
-        f"their own: {layout.num_groups} tables per request)"
+        f", each block {layout.num_slots} layers' keys and values ({keep}, in block tables "
+        f"of their own: {layout.num_groups} tables per request)"
     )
