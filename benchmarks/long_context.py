@@ -62,10 +62,15 @@ def worker(args: argparse.Namespace) -> dict:
         **kwargs,
     )
     rng = random.Random(args.context)
-    prompt = [rng.randrange(1000, 100000) for _ in range(args.context)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(1000, 100000) for _ in range(args.context)]}
+        for _ in range(args.sequences)
+    ]
     params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
-    [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    m = out.metrics
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    m = outs[0].metrics
     stats = core_of(llm).counters.snapshot()
     result = {
         "prefill_tokens_per_s": args.context / (m.first_token_time - m.arrival_time),
@@ -73,6 +78,12 @@ def worker(args: argparse.Namespace) -> dict:
         "kv_disk_blocks_taken": stats["kv_disk_blocks_taken"],
         "peak_rss_mib": _peak_rss_mib(),
     }
+    if args.sequences > 1:  # what counts is the whole job: all prompts and all outputs
+        result.update(
+            wall_s=wall,
+            all_tokens_per_s=args.sequences * (args.context + GEN) / wall,
+            num_preemptions=stats["num_preemptions"],
+        )
     llm.shutdown()
     return result
 
@@ -83,6 +94,7 @@ def run_pagedllm(
     command = [sys.executable, __file__, "--worker", "--model", str(args.model)]
     command += ["--context", str(context), "--kv-memory-tokens", str(kv_memory_tokens)]
     command += ["--one-table"] if one_table else []
+    command += ["--sequences", str(args.sequences)]
     command += ["--threads", str(args.threads)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=tempfile.gettempdir())
     lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
@@ -137,6 +149,9 @@ def main() -> int:
     parser.add_argument("--kv-memory-tokens", type=int, default=8192,
                         help="KV memory of the disk-tier runs, in tokens (0: no such run)")  # fmt: skip
     parser.add_argument("--skip", default="", help="comma-separated: llama.cpp, disk")
+    parser.add_argument("--sequences", type=int, default=1,
+                        help="sequences of each context at once (N > 1: pagedllm only, the "
+                        "whole job's time, tokens/s and preemptions)")  # fmt: skip
     parser.add_argument("--one-table", action="store_true",
                         help="also run pagedllm with disable_hybrid_kv_cache_manager (every "
                         "sliding-window layer keeps the whole sequence)")  # fmt: skip
@@ -152,6 +167,8 @@ def main() -> int:
         return 0
     args.model = (args.model or default_model()).resolve()
     skip = set(filter(None, args.skip.split(",")))
+    if args.sequences > 1:
+        skip |= {"llama.cpp", "disk"}
     binaries = None if "llama.cpp" in skip else Path(_tool("build-llama-cpp"))
     report: dict = {"model": args.model.name, "threads": args.threads, "contexts": {}}
     for context in map(int, args.contexts.split(",")):
@@ -167,6 +184,13 @@ def main() -> int:
         report["contexts"][str(context)] = row
         print(f"context {context} ({time.perf_counter() - started:.0f} s):")
         for name, entry in row.items():
+            if "wall_s" in entry:
+                print(
+                    f"  {name:18s} {args.sequences} x {context}: {entry['wall_s']:6.1f} s, "
+                    f"{entry['all_tokens_per_s']:7.1f} tok/s, {entry['num_preemptions']} "
+                    f"preemptions, peak RSS {entry['peak_rss_mib']:6.0f} MiB"
+                )
+                continue
             print(
                 f"  {name:18s} prefill {entry['prefill_tokens_per_s']:8.1f} tok/s   decode "
                 f"{entry['decode_tokens_per_s']:6.1f} tok/s   peak RSS {entry['peak_rss_mib']:6.0f} MiB"
