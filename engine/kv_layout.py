@@ -115,16 +115,17 @@ def windowed_layout(layer_windows: Sequence[int | None]) -> KVLayout:
     sliding = [i for i, window in enumerate(layer_windows) if window]
     if not sliding:
         return plain_layout(num_layers)
-    slots = len(full) if full else num_layers
+    # Sliding layers with the same window share groups; a group never mixes windows.
+    by_window: dict[int, list[int]] = {}
+    for layer in sliding:
+        by_window.setdefault(int(layer_windows[layer] or 0), []).append(layer)
+    # A group per kind of layer when none attends fully (all-sliding models: one).
+    slots = len(full) if full else max(len(layers) for layers in by_window.values())
     groups = [0] * num_layers
     layer_slots = [0] * num_layers
     windows: list[int | None] = [None] if full else []
     for slot, layer in enumerate(full):
         layer_slots[layer] = slot
-    # Sliding layers with the same window share groups; a group never mixes windows.
-    by_window: dict[int, list[int]] = {}
-    for layer in sliding:
-        by_window.setdefault(int(layer_windows[layer] or 0), []).append(layer)
     for window, layers in by_window.items():
         for start in range(0, len(layers), slots):
             group = len(windows)

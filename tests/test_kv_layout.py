@@ -53,6 +53,8 @@ def test_models_without_full_layers_or_without_windows():
     assert mistral.max_sequence_tokens(mistral.sequence_blocks(10**6, 16, 512), 16, 512) > 10**9
     mixed = windowed_layout([8, None, 32, 8, None])  # two windows never share a table
     assert sorted(w for w in mixed.group_windows if w) == [8, 32]
+    two_windows = windowed_layout([8, 32, 8, 32])  # no full layer: a table per window
+    assert two_windows.group_windows == (8, 32) and two_windows.num_slots == 2
 
 
 @settings(max_examples=50, deadline=None)
