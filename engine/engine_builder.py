@@ -351,18 +351,14 @@ class EngineBuilder:
         plain = plain_layout(cfg.num_layers)
         if not cfg.causal or not any(window and window < self.max_model_len for window in windows):
             return plain
-        keeps_all = (
-            "disable_hybrid_kv_cache_manager"
-            if config.disable_hybrid_kv_cache_manager
-            else "tensor_parallel_size > 1"
-            if config.tensor_parallel_size > 1
-            else "prefix_cache_dir"
-            if config.prefix_cache_dir is not None
-            else ""
-        )
-        if keeps_all:
-            logger.info("%s: sliding-window layers keep every token's keys", keeps_all)
-            return plain
+        for setting, keeps_all in (
+            ("disable_hybrid_kv_cache_manager", config.disable_hybrid_kv_cache_manager),
+            ("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+            ("prefix_cache_dir", config.prefix_cache_dir is not None),
+        ):
+            if keeps_all:
+                logger.info("%s: sliding-window layers keep every token's keys", setting)
+                return plain
         return windowed_layout(windows)
 
     def _sequence_blocks(self, num_tokens: int) -> int:

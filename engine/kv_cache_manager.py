@@ -70,6 +70,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = tuple(group_windows)
+        self.windowed = any(window is not None for window in self.group_windows)
         self.pool = BlockPool(num_blocks, memory_blocks)
         self.req_blocks: dict[str, GroupBlocks] = {}
         # The same tables as block ids (a freed entry: 0), kept in step with req_blocks so
@@ -134,7 +135,7 @@ class KVCacheManager:
         if not chain:
             return [], 0
         hits: GroupBlocks = [list(chain)]
-        if self.num_groups > 1 or self.group_windows[0] is not None:
+        if self.windowed:
             hits = self._windowed_hits(request, chain)
         return hits, len(hits[0]) * self.block_size
 
@@ -232,9 +233,7 @@ class KVCacheManager:
         touched = [block for group_hits in hits for block in group_hits if block is not None]
         num_hits_now_free = sum(1 for block in touched if block.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_hits_now_free:
-            if any(groups):
-                self.req_blocks[request.request_id] = groups
-            return False
+            return False  # a request's groups are kept only once it holds blocks
         self.pool.touch(touched)
         if hits[0] and self.hit_listener is not None:
             self.hit_listener(request, [block for block in hits[0] if block is not None])
@@ -347,13 +346,6 @@ class KVCacheManager:
             del blocks[keep:]
             del group_ids[keep:]
             self.pool.free_blocks(reversed(unused))
-
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """Group 0's block table of a request (the only one in the one-group layout)."""
-        groups = self.req_blocks.get(request_id)
-        if not groups:
-            return []
-        return [0 if block is None else block.block_id for block in groups[0]]
 
     def get_block_tables(self, request_id: str) -> list[list[int]]:
         """Every group's block table of a request; a freed entry reads as block 0. The

@@ -80,7 +80,7 @@ def test_prefix_hits_are_full_blocks_and_never_the_last_token():
     # Same 12 tokens: at most 11 may be cached, so only 2 full blocks hit.
     second = make_request("b", prompt)
     hits, num_tokens = kv.get_computed_blocks(second)
-    assert num_tokens == 8 and [b.block_id for b in hits[0]] == kv.get_block_ids("a")[:2]
+    assert num_tokens == 8 and [b.block_id for b in hits[0]] == kv.get_block_tables("a")[0][:2]
     assert kv.allocate_slots(second, len(prompt) - num_tokens, hits)
     assert all(b is not None and b.ref_cnt == 2 for b in hits[0])
     # A different salt never shares.
@@ -94,7 +94,7 @@ def test_allocation_fails_cleanly_and_free_returns_every_block():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     big = make_request("big", list(range(20)))
     assert not kv.allocate_slots(big, 20)  # needs 5 blocks
-    assert kv.pool.num_free_blocks == 4 and kv.get_block_ids("big") == []
+    assert kv.pool.num_free_blocks == 4 and kv.get_block_tables("big") == [[]]
     small = make_request("small", list(range(7)))
     assert kv.allocate_slots(small, 7)
     assert kv.pool.num_free_blocks == 2
