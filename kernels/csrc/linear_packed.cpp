@@ -902,9 +902,29 @@ void amx_tile_rows(const uint8_t* wgroups, const TileData& tile, const AmxRows& 
 #undef PAGEDLLM_STORE
 }
 
+// Chunk c of x (its first `rows` rows) against one weight tile whose B tiles are `b`.
+template <int G, typename S>
+inline void amx_chunk(const uint8_t* b, const TileData& tile, const AmxRows& x, int64_t c,
+                      float* out, int64_t ldo, int64_t lanes, int64_t rows) {
+  switch ((rows + 3) / 4) {
+    case 4: amx_tile_rows<G, 16, S>(b, tile, x, c, out, ldo, lanes, rows); break;
+    case 3: amx_tile_rows<G, 12, S>(b, tile, x, c, out, ldo, lanes, rows); break;
+    case 2: amx_tile_rows<G, 8, S>(b, tile, x, c, out, ldo, lanes, rows); break;
+    default: amx_tile_rows<G, 4, S>(b, tile, x, c, out, ldo, lanes, rows); break;
+  }
+}
+
+// x W^T [M, N] into out (rows ldo floats apart). With `gated` (a gate_up weight: gate rows
+// 0..N/2-1, up rows N/2..N-1, N % 32 == 0), out [M, N/2] = act(x W_gate^T) * (x W_up^T)
+// instead: a thread takes gate tile t with up tile t + T/2, as gated_tiled_matmul's VNNI
+// path does, and their 16 x 16 outputs go through gated_rows from L1. Not writing gate_up's
+// [M, N] to memory also means no such buffer per call: allocated per layer of every prompt
+// step (27 MiB a layer for a 512-token step of Gemma-3-1B), it fragmented the heap by
+// ~100 MiB more resident than the live data.
 template <Format F, int G, typename S>
 void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const Tensor& scales,
-                const Tensor& mins, int64_t n, float* out, int64_t ldo) {
+                const Tensor& mins, int64_t n, float* out, int64_t ldo, bool gated = false,
+                bool gelu = false) {
   const int64_t k = qx.k, num_tiles = tiles.size(0), groups = k / G;
   const int64_t tile_bytes = tiles.numel() / num_tiles;
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
@@ -912,33 +932,46 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
   const char* mp = mins.numel() > 0 ? static_cast<const char*>(mins.data_ptr()) : nullptr;
   const int64_t value_bytes = tile_values_bytes<S>(groups, k);
   const AmxRows x = amx_rows<G>(qx, m);
-  parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t up_offset = gated ? num_tiles / 2 : 0;  // gate tile t's up tile: t + this
+  const int64_t work_tiles = gated ? num_tiles / 2 : num_tiles;
+  const int64_t tiles_per_item = gated ? 2 : 1;
+  auto tile_data = [&](int64_t t) {
+    return TileData{tp + t * tile_bytes, sp + t * value_bytes,
+                    mp != nullptr ? mp + t * value_bytes : nullptr};
+  };
+  parallel_for(0, work_tiles, 1, [&](int64_t begin, int64_t end) {
     amx::configure_thread(G);
-    // B tiles of kTileBlock weight tiles at a time (K * 16 bytes each), 64-byte aligned:
-    // they stay in cache while every chunk of x passes them, and a chunk's A tiles stay in
-    // cache across the block.
+    // B tiles of kTileBlock weight tiles (and as many up tiles) at a time (K * 16 bytes
+    // each), 64-byte aligned: they stay in cache while every chunk of x passes them, and a
+    // chunk's A tiles stay in cache across the block.
     thread_local std::vector<uint8_t> storage;
-    const int64_t block_bytes = kTileBlock * k * kTile;
-    if (static_cast<int64_t>(storage.size()) < block_bytes + 64) storage.resize(block_bytes + 64);
+    const int64_t weight_bytes = k * kTile, block_bytes = kTileBlock * weight_bytes;
+    if (static_cast<int64_t>(storage.size()) < tiles_per_item * block_bytes + 64)
+      storage.resize(tiles_per_item * block_bytes + 64);
     uint8_t* wgroups = reinterpret_cast<uint8_t*>(
         (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
+    uint8_t* up_groups = wgroups + block_bytes;
+    alignas(64) float gate_out[kTile * kTile], up_out[kTile * kTile];
     for (int64_t t0 = begin; t0 < end; t0 += kTileBlock) {
       const int64_t t1 = std::min(end, t0 + kTileBlock);
-      for (int64_t t = t0; t < t1; ++t) weight_groups<F>(tp + t * tile_bytes, k, wgroups + (t - t0) * k * kTile);
+      for (int64_t t = t0; t < t1; ++t) {
+        weight_groups<F>(tp + t * tile_bytes, k, wgroups + (t - t0) * weight_bytes);
+        if (gated)
+          weight_groups<F>(tp + (t + up_offset) * tile_bytes, k, up_groups + (t - t0) * weight_bytes);
+      }
       for (int64_t c = 0; c * kTile < m; ++c) {
         const int64_t rows = std::min(kTile, m - c * kTile);
         for (int64_t t = t0; t < t1; ++t) {
-          const TileData tile{tp + t * tile_bytes, sp + t * value_bytes,
-                              mp != nullptr ? mp + t * value_bytes : nullptr};
-          const uint8_t* b = wgroups + (t - t0) * k * kTile;
-          const int64_t lanes = std::min(kTile, n - t * kTile);
+          const uint8_t* b = wgroups + (t - t0) * weight_bytes;
           float* o = out + c * kTile * ldo + t * kTile;
-          switch ((rows + 3) / 4) {
-            case 4: amx_tile_rows<G, 16, S>(b, tile, x, c, o, ldo, lanes, rows); break;
-            case 3: amx_tile_rows<G, 12, S>(b, tile, x, c, o, ldo, lanes, rows); break;
-            case 2: amx_tile_rows<G, 8, S>(b, tile, x, c, o, ldo, lanes, rows); break;
-            default: amx_tile_rows<G, 4, S>(b, tile, x, c, o, ldo, lanes, rows); break;
+          if (!gated) {
+            amx_chunk<G, S>(b, tile_data(t), x, c, o, ldo, std::min(kTile, n - t * kTile), rows);
+            continue;
           }
+          amx_chunk<G, S>(b, tile_data(t), x, c, gate_out, kTile, kTile, rows);
+          amx_chunk<G, S>(up_groups + (t - t0) * weight_bytes, tile_data(t + up_offset), x, c,
+                          up_out, kTile, kTile, rows);
+          gated_rows(gate_out, up_out, kTile, o, ldo, rows, kTile, gelu);
         }
       }
     }
@@ -1074,14 +1107,8 @@ void gated_tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles,
                         float* out) {
   const int64_t half = n / 2, half_tiles = half / kTile;
 #ifdef PAGEDLLM_AMX
-  if (m >= kAmxMinRows && amx::enabled()) {  // AMX's blocking is its own: not fused
-    Tensor gate_up = at::empty({m, n}, at::kFloat);
-    amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, gate_up.data_ptr<float>(), n);
-    const float* g = gate_up.data_ptr<float>();
-    parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
-      gated_rows(g + begin * n, g + begin * n + half, n, out + begin * half, half,
-                 end - begin, half, gelu);
-    });
+  if (m >= kAmxMinRows && amx::enabled()) {
+    amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, out, half, /*gated=*/true, gelu);
     return;
   }
 #endif
