@@ -120,14 +120,24 @@ struct MoeWeights {
     const Tensor token_of = order.div(top_k, "floor");
     const Tensor counts = at::bincount(flat, {}, experts).contiguous();
     const int64_t* count = counts.data_ptr<int64_t>();
-    const Tensor grouped = x.index_select(0, token_of);
-    Tensor out = at::empty_like(grouped);
+    // The (token, slot) rows in expert order and their outputs, [T * top_k, H] each, in a
+    // buffer the thread keeps (grown to the largest step): for a 512-token prompt step of
+    // 8 experts a token at H = 2048 they are 32 MiB each, which glibc would map, zero-fill
+    // and fault in afresh for every MoE layer. Each expert's down writes straight into its
+    // slice of `out`.
+    const int64_t pairs = flat.numel(), hidden = x.size(1);
+    thread_local Tensor pair_buffer;
+    if (!pair_buffer.defined() || pair_buffer.numel() < 2 * pairs * hidden)
+      pair_buffer = at::empty({2 * pairs * hidden}, x.options());
+    Tensor grouped = pair_buffer.narrow(0, 0, pairs * hidden).view({pairs, hidden});
+    Tensor out = pair_buffer.narrow(0, pairs * hidden, pairs * hidden).view({pairs, hidden});
+    at::index_select_out(grouped, x, 0, token_of);
     int64_t start = 0;
     for (int64_t e = 0; e < experts; ++e) {
       if (count[e] == 0) continue;
       const Tensor rows = grouped.narrow(0, start, count[e]);
-      out.narrow(0, start, count[e]).copy_(down[e]->forward(gate_up[e]->gated(rows, gelu,
-                                                                               nullptr, nullptr)));
+      Tensor expert_out = out.narrow(0, start, count[e]);
+      down[e]->forward(gate_up[e]->gated(rows, gelu, nullptr, nullptr), &expert_out);
       start += count[e];
     }
     out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1));
