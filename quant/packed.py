@@ -155,7 +155,18 @@ class PackedWeight:
         ops = torch.ops.pagedllm
         kind = self.tile_kind
         tiles = {"u4": ops.tile_u4, "i6": ops.tile_i6, "i8": ops.tile_i8}[kind](self.qweight)
-        if self.has_k_factors:
+        # u4 tiles with K factors (Q4_K) take the kernels' folded recipe, whose AMX form
+        # splits each 6-bit multiplier in two 3-bit parts: other u4 multipliers (none that a
+        # GGUF file holds) keep their scales as plain values instead.
+        six_bit = kind != "u4" or (
+            self.scale_factors is not None
+            and bool(
+                (
+                    (self.scale_factors.multipliers >= 0) & (self.scale_factors.multipliers < 64)
+                ).all()
+            )
+        )
+        if self.has_k_factors and six_bit:
             assert self.scale_factors is not None
             scales = _tile_k_factors(self.scale_factors)
             mins = None if self.min_factors is None else _tile_k_factors(self.min_factors)

@@ -38,13 +38,68 @@ def random_i8(n: int, k: int, group: int, with_mins: bool, seed: int) -> PackedW
 
 
 def weights(n: int, k: int) -> list[PackedWeight]:
-    """U4 with float32 and with float16 scales, I8 in groups of 32 (no mins) and 16 (mins)."""
+    """U4 with float32 and with float16 scales, I8 in groups of 32 (no mins) and 16 (mins);
+    where K allows (K % 256 == 0), the K-quants Q2_K to Q6_K (the folded recipe)."""
     u4 = quantize_u4(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
     fp16_exact = PackedWeight(
         "u4", u4.qweight, u4.scales.half().float(), u4.mins.half().float(), 32, (n, k)
     ).compact()
     assert fp16_exact.scales.dtype == torch.float16
-    return [u4, fp16_exact, random_i8(n, k, 32, False, 2), random_i8(n, k, 16, True, 3)]
+    made = [u4, fp16_exact, random_i8(n, k, 32, False, 2), random_i8(n, k, 16, True, 3)]
+    if k % 256:
+        return made
+    return made + [k_quant_weight(name, n, k, seed=8 + i) for i, name in enumerate(K_QUANTS)]
+
+
+# K-quants as the GGUF loader makes them: q, an int8 multiplier per group and float16
+# factors per 256 (mins -dmin * m: the min factor carries the sign). name: (tile kind,
+# group, q range, scale multiplier range, min multiplier range or None).
+K_QUANTS = {
+    "Q4_K": ("u4", 32, (0, 16), (0, 64), (0, 64)),
+    "Q5_K": ("i8", 32, (0, 32), (0, 64), (0, 64)),
+    "Q6_K": ("i8", 16, (-32, 32), (-128, 128), None),
+    "Q3_K": ("i8", 16, (-4, 4), (-32, 32), None),
+    "Q2_K": ("i8", 16, (0, 4), (0, 16), (0, 16)),
+}
+
+
+def k_quant_weight(name: str, n: int, k: int, seed: int) -> PackedWeight:
+    from pagedllm_integrations.quant.packed import KFactors, pack_u4
+
+    kind, group, q_range, scale_range, min_range = K_QUANTS[name]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(*q_range, (n, k), dtype=torch.int16, generator=g)
+
+    def parts(multipliers: tuple[int, int], sign: float) -> KFactors:
+        chosen = torch.randint(*multipliers, (n, k // group), dtype=torch.int8, generator=g)
+        factors = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float() * sign
+        return KFactors(chosen, factors)
+
+    def values(p: KFactors) -> torch.Tensor:
+        return p.factors.repeat_interleave(256 // group, dim=1) * p.multipliers.float()
+
+    scales = parts(scale_range, 1.0)
+    mins = None if min_range is None else parts(min_range, -1.0)
+    qweight = pack_u4(q) if kind == "u4" else q.to(torch.int8)
+    weight = PackedWeight(
+        kind,
+        qweight,
+        values(scales),
+        None if mins is None else values(mins),
+        group,
+        (n, k),
+        scales,
+        mins,
+    )
+    assert weight.tile_kind == ("u4" if kind == "u4" else "i6")
+    assert weight.tiled().scales.dtype == torch.uint8  # the kernels' KScale form
+    return weight
+
+
+def folded(weight: PackedWeight) -> bool:
+    """Whether the kernels take the folded recipe (activations in super blocks of 256):
+    K-quant values on u4 or i6 tiles."""
+    return weight.tiled().scales.dtype == torch.uint8 and weight.tile_kind != "i8"
 
 
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,11 +127,38 @@ def test_activation_quantization_is_llama_cpp_q8(k):
     assert torch.equal(qx, ref_q) and torch.equal(d, ref_d) and torch.equal(sums, ref_sums)
 
 
-def reference_product(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    """float64 (dequantized int8 activations) @ (exact weights)^T."""
-    q, d, _ = quantize_reference(x)
+def quantize_super_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_K activations (the folded recipe's): super blocks of 256, d = amax /
+    127, q = round-half-even(x * 127 / amax); and the sum of q over each 16 values."""
     m, k = x.shape
-    xd = (q.double().view(m, k // 32, 32) * d.double()[..., None]).view(m, k)
+    blocks = x.view(m, k // 256, 256)
+    amax = blocks.abs().amax(-1)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse[..., None]).clamp(-127, 127)
+    return q.view(m, k).to(torch.int8), amax / 127.0, q.view(m, k // 16, 16).sum(-1).short()
+
+
+@pytest.mark.parametrize("k", [256, 512, 2816])
+def test_super_block_quantization_is_llama_cpp_q8_k(k):
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5)) * 3
+    x[2, :256] = 0.0  # an all-zero super block
+    x[3, 5] = 1e4  # an outlier owns its super block's scale
+    x[5, -1] = -1e4
+    got = ops().quantize_super_blocks(x)
+    want = quantize_super_reference(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def reference_product(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """float64 (dequantized int8 activations, as the weight's recipe quantizes them) @
+    (exact weights)^T."""
+    m, k = x.shape
+    if folded(weight):
+        q, d, _ = quantize_super_reference(x)
+        xd = (q.double().view(m, k // 256, 256) * d.double()[..., None]).view(m, k)
+    else:
+        q, d, _ = quantize_reference(x)
+        xd = (q.double().view(m, k // 32, 32) * d.double()[..., None]).view(m, k)
     return xd @ weight.dequantize().double().t()
 
 
@@ -138,6 +220,8 @@ def amx_switch():
 
 @pytest.mark.parametrize("n,k", [(40, 64), (37, 96), (70, 1024)])
 def test_amx_and_vnni_give_the_same_bits(n, k, amx_switch):
+    # (70, 1024): the Q4_K weight too, the folded recipe on AMX (4 super blocks: both
+    # halves of its software pipeline)
     """Batches take AMX tiles on CPUs that have them, few rows VNNI; a row's result must
     not depend on which (every batch size from 1 to 40 rows, partial 16-row chunks)."""
     from pagedllm_integrations.quant.packed_linear import kernel_weight, packed_matmul
@@ -153,7 +237,7 @@ def test_amx_and_vnni_give_the_same_bits(n, k, amx_switch):
         rows = [packed_matmul(x[i : i + 1], tiled) for i in range(len(x))]
         want = torch.cat(rows)
         amx_switch(True)
-        for m in (8, 9, 16, 17, 31, 40):
+        for m in (8, 9, 15, 16, 17, 31, 32, 40):
             assert torch.equal(packed_matmul(x[:m], tiled), want[:m]), (weight.kind, m)
 
 

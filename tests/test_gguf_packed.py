@@ -103,9 +103,12 @@ def test_types_without_a_packed_form_are_dequantized_once_to_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
-def test_k_quants_tile_their_two_levels_with_the_same_bits(tmp_path, type_name):
+def test_k_quants_tile_their_two_levels_and_take_the_folded_recipe(tmp_path, type_name):
     """The kernels' K form (int8 multipliers and per-256 factors, 1.25 bytes per group and
-    row) gives the values and the products of the float32 scales, bit for bit."""
+    row) holds the values of the float32 scales bit for bit, and its products are the
+    folded recipe's (llama.cpp's Q8_K activations, kernels/csrc/linear_packed.cpp): within
+    float32 rounding of the exact product of those activations, the same bits for every
+    batch size."""
     from pagedllm_integrations.kernels import cpu_ext
     from pagedllm_integrations.quant.packed import PackedWeight
     from pagedllm_integrations.quant.packed_linear import packed_matmul
@@ -124,9 +127,13 @@ def test_k_quants_tile_their_two_levels_with_the_same_bits(tmp_path, type_name):
     reference = dequantize(data, gguf.GGMLQuantizationType[type_name]).reshape(ROWS, COLS)
     assert torch.equal(k_form.dequantize(), torch.from_numpy(reference))
     x = torch.randn(17, COLS, generator=torch.Generator().manual_seed(1))
-    expected = packed_matmul(x, float_form)
-    for rows in (1, 2, 5, 7, 17):
-        assert torch.equal(packed_matmul(x[:rows], k_form), expected[:rows])
+    qk, dk, _ = torch.ops.pagedllm.quantize_super_blocks(x)
+    activations = (qk.double().view(17, -1, 256) * dk.double()[..., None]).view(17, COLS)
+    exact = activations @ torch.from_numpy(reference).double().t()
+    full = packed_matmul(x, k_form)
+    assert (full.double() - exact).abs().max().item() <= 2e-6 * exact.abs().max().item()
+    for rows in (1, 2, 5, 7, 8, 16, 17):
+        assert torch.equal(packed_matmul(x[:rows], k_form), full[:rows])
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_0", "Q6_K"])

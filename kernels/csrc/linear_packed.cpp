@@ -49,6 +49,28 @@
 //       element [t, g, r] belongs to row 16t + r.
 //   T = ceil(N / 16); rows beyond N are zero.
 //
+// K-quants (Q2_K to Q6_K: u4 or i6 tiles whose scales, and mins, are KScale: an int8
+// multiplier per group of 16 or 32 values and a float factor per super block of 256) take
+// the folded recipe instead, llama.cpp's Q8_K:
+//
+//   1. Each row of x is quantized in super blocks of 256 along K:
+//        dk[m, s] = max|x[m, 256s : 256s + 256]| / 127, qk = round-half-even(x * 127 / max)
+//      and sk[m, h] = the sum of qk over each 16 values h (int16).
+//   2. For every super block s, in K order, with the 256 / G groups g of s:
+//        P = sum_g sm[n, g] * (sum_{k in g} q[n, k] * qk[m, k])     int32, exact
+//        Q = sum_g mm[n, g] * (sum of sk[m, h] over the halves h of g)   int32, exact
+//        acc = fma(float(P), sf[n, s] * dk[m, s], acc)
+//        acc = fma(float(Q), mf[n, s] * dk[m, s], acc)              (with mins)
+//      where the scale of group g is sf[n, s] * sm[n, g] and its min mf[n, s] * mm[n, g].
+//
+// The group multipliers are folded in integers, so one float step follows 256 values of K
+// instead of 8 or 16: on AMX the multipliers go into the weight bytes (q * sm, as two int8
+// tiles: q * (sm & 7) and q * (sm >> 3) for Q4_K's u4 and 6-bit multipliers, (q * sm) & 127
+// and (q * sm) >> 7 for i6), and the tile multiplies run over 64 values of K at a time
+// instead of 16 or 32. The same kernels (VNNI, AVX2, AMX, scalar) all take it, so a row's
+// bits still do not depend on its batch or on AMX. (i8 tiles with K-quant values, which no
+// GGUF type makes, keep the first recipe: their q * sm can need 16 bits.)
+//
 // Shapes at the boundary: x float32 [M, K] -> y float32 [M, N]; K a multiple of 32.
 
 #include "amx.h"
@@ -61,6 +83,7 @@ namespace {
 constexpr int64_t kTile = 16;       // output rows per tile: the 16 lanes of a vector
 constexpr int64_t kBlock = 32;      // activation quantization block along K
 constexpr int64_t kHalf = 16;       // the smallest weight group: half a block
+constexpr int64_t kSuper = 256;     // the folded recipe's activation block (a K-quant's)
 constexpr int64_t kRowChunk = 64;   // x rows whose quantized copy is reused across tiles
 constexpr int64_t kAhead = 8;       // weight groups prefetched ahead when few rows stream them
 // Rows of x per pass over a weight tile, and at most in the last pass. A last pass of
@@ -107,6 +130,21 @@ struct QuantizedRows {
   template <int G>
   float group_min_scale(int64_t row, int64_t g) const {
     return G == 16 ? md16[row * (k / 16) + g] : md32[row * (k / 32) + g];
+  }
+
+  // The folded recipe's super blocks (made only for calls that meet a folded weight):
+  const int8_t* qk = nullptr;   // [M, K]
+  const float* dk = nullptr;    // [M, K/256]
+  const int16_t* sk = nullptr;  // [M, K/16] sums of qk over each 16 values
+
+  float super_scale(int64_t row, int64_t s) const { return dk[row * (k / kSuper) + s]; }
+  // The row's 16 sums of qk (each over 16 values) in super block s.
+  const int16_t* super_sums(int64_t row, int64_t s) const { return sk + row * (k / kHalf) + 16 * s; }
+  // The sum of qk over group g of G values.
+  template <int G>
+  int32_t super_group_sum(int64_t row, int64_t g) const {
+    const int16_t* h = sk + row * (k / kHalf) + g * (G / kHalf);
+    return G == 16 ? h[0] : h[0] + h[1];
   }
 };
 
@@ -252,6 +290,52 @@ inline void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, in
 }
 #endif
 
+// One row of x (K floats, K % 256 == 0) -> its super blocks for the folded recipe: qk
+// int8 [K], dk [K/256], sk int16 [K/16]. The same bytes on every path: the maximum is
+// exact in any order, d and inv are the same divisions, and cvtps2dq rounds half to even
+// as nearbyint does.
+inline void quantize_row_super(const float* x, int64_t k, int8_t* q, float* d, int16_t* sums) {
+  for (int64_t s = 0; s < k / kSuper; ++s) {
+    const float* src = x + s * kSuper;
+    int8_t* dst = q + s * kSuper;
+#ifdef PAGEDLLM_AVX512
+    const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    __m512 vmax = _mm512_setzero_ps();
+    for (int i = 0; i < kSuper; i += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_and_ps(_mm512_loadu_ps(src + i), sign_off));
+    const float amax = _mm512_reduce_max_ps(vmax);
+#else
+    float amax = 0.f;
+    for (int i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(src[i]));
+#endif
+    d[s] = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+#ifdef PAGEDLLM_AVX512
+    const __m512i bound = _mm512_set1_epi32(127), neg_bound = _mm512_set1_epi32(-127);
+    for (int g = 0; g < kSuper / kBlock; ++g) {
+      __m512i qv[2];
+      for (int i = 0; i < 2; ++i) {
+        const int at = g * kBlock + 16 * i;
+        qv[i] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + at), _mm512_set1_ps(inv)));
+        qv[i] = _mm512_max_epi32(_mm512_min_epi32(qv[i], bound), neg_bound);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + at), _mm512_cvtepi32_epi8(qv[i]));
+        sums[s * 16 + 2 * g + i] = static_cast<int16_t>(_mm512_reduce_add_epi32(qv[i]));
+      }
+    }
+#else
+    for (int h = 0; h < kSuper / kHalf; ++h) {
+      int32_t sum = 0;
+      for (int i = h * kHalf; i < (h + 1) * kHalf; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(src[i] * inv));
+        dst[i] = static_cast<int8_t>(std::min(127, std::max(-127, v)));
+        sum += dst[i];
+      }
+      sums[s * 16 + h] = static_cast<int16_t>(sum);
+    }
+#endif
+  }
+}
+
 // One row's xs32, md16 and md32 from its d and xs.
 inline void row_group_factors(const float* d, const int32_t* xs, int64_t k, int32_t* xs32,
                               float* md16, float* md32) {
@@ -262,12 +346,24 @@ inline void row_group_factors(const float* d, const int32_t* xs, int64_t k, int3
   }
 }
 
-// x [M, K] float32 -> quantized rows in buffers kept by the calling thread.
-QuantizedRows quantize_activations(const Tensor& x) {
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d, md16, md32;
+// x [M, K] float32 -> quantized rows in buffers kept by the calling thread; with
+// `super_blocks` (a folded weight will meet them; K % 256 == 0) the folded recipe's too.
+QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false) {
+  thread_local std::vector<int8_t> q, qk;
+  thread_local std::vector<float> d, md16, md32, dk;
   thread_local std::vector<int32_t> xs, xs32;
+  thread_local std::vector<int16_t> sk;
   const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock, halves = k / kHalf;
+  super_blocks = super_blocks && k % kSuper == 0;
+  if (super_blocks) {
+    qk.resize(m * k);
+    dk.resize(m * (k / kSuper));
+    sk.resize(m * halves);
+  }
+  // Pointers, not the thread_local vectors: the rows are quantized on the pool's threads.
+  int8_t* qkp = super_blocks ? qk.data() : nullptr;
+  float* dkp = super_blocks ? dk.data() : nullptr;
+  int16_t* skp = super_blocks ? sk.data() : nullptr;
   q.resize(m * k);
   d.resize(m * blocks);
   xs.resize(m * halves);
@@ -297,9 +393,15 @@ QuantizedRows quantize_activations(const Tensor& x) {
 #endif
       row_group_factors(dp + r * blocks, sp + r * halves, k, s32 + r * blocks, m16 + r * halves,
                         m32 + r * blocks);
+      if (super_blocks)
+        quantize_row_super(xp + r * k, k, qkp + r * k, dkp + r * (k / kSuper), skp + r * halves);
     }
   });
-  return {qp, dp, sp, s32, m16, m32, k};
+  QuantizedRows rows{qp, dp, sp, s32, m16, m32, k};
+  rows.qk = qkp;
+  rows.dk = dkp;
+  rows.sk = skp;
+  return rows;
 }
 
 // ------------------------------------------------------------------ formats
@@ -367,6 +469,10 @@ struct TileData {
 // Every form yields the same float32 values; a tile's values take tile_values_bytes.
 struct KScale {};
 
+// Weights that take the folded recipe: u4 and i6 tiles with K-quant (KScale) values.
+template <Format F, typename S>
+constexpr bool kFolded = F != Format::kI8 && std::is_same_v<S, KScale>;
+
 template <typename S>
 inline int64_t tile_values_bytes(int64_t groups, int64_t k) {
   if constexpr (std::is_same_v<S, KScale>) return groups * kTile + (k / 256) * kTile * 4;
@@ -390,6 +496,15 @@ inline float group_value(const void* base, int64_t groups, int64_t g, int64_t la
   } else {
     return scalar_of(static_cast<const S*>(base)[g * kTile + lane]);
   }
+}
+
+// KScale's parts for the folded recipe: group g's multiplier and super block s's factor.
+inline int32_t group_multiplier(const void* base, int64_t g, int64_t lane) {
+  return static_cast<const int8_t*>(base)[g * kTile + lane];
+}
+inline float super_factor(const void* base, int64_t groups, int64_t s, int64_t lane) {
+  const float* factor = reinterpret_cast<const float*>(static_cast<const int8_t*>(base) + groups * kTile);
+  return factor[s * kTile + lane];
 }
 
 #ifdef PAGEDLLM_AVX512
@@ -455,6 +570,59 @@ inline void unpack_i6_quad(const uint8_t* quad, __m512i (&u)[4]) {
   u[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble),
                          _mm512_and_si512(_mm512_srli_epi16(c, 2), top));
 }
+
+// ---- the folded recipe's pieces (AVX-512; the AMX kernel uses them too)
+// Group g's int8 multipliers (KScale) as int32 lanes.
+inline __m512i group_multipliers16(const void* base, int64_t g) {
+  return _mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + g * kTile)));
+}
+
+// Super block s's float factors (KScale: after the `groups` multipliers of 16 lanes).
+inline __m512 super_factors16(const void* base, int64_t groups, int64_t s) {
+  const float* factor = reinterpret_cast<const float*>(static_cast<const int8_t*>(base) + groups * kTile);
+  return _mm512_loadu_ps(factor + s * kTile);
+}
+
+// The min multipliers of super block s (groups of G) as 8 vectors of int16 pairs, for
+// vpdpwssd against a row's 8 pairs of 16-value sums: vector p, lane l holds the
+// multipliers of sums 2p and 2p + 1, (mm[l, 16s + 2p], mm[l, 16s + 2p + 1]) for G = 16,
+// and (mm[l, 8s + p], mm[l, 8s + p]) for G = 32 (the two halves of one group).
+template <int G>
+inline void min_multiplier_pairs(const void* mins, int64_t s, __m512i (&pairs)[8]) {
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  for (int p = 0; p < 8; ++p) {
+    const __m512i even = group_multipliers16(mins, G == 16 ? 16 * s + 2 * p : 8 * s + p);
+    const __m512i odd = G == 16 ? group_multipliers16(mins, 16 * s + 2 * p + 1) : even;
+    pairs[p] = _mm512_or_si512(_mm512_and_si512(even, low16), _mm512_slli_epi32(odd, 16));
+  }
+}
+
+// acc + a . b over int16 pairs (exact int32).
+inline __m512i dot_i16_pairs(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// A super block's float steps for one row of x: P (the folded integer sums of 16 output
+// rows), then with mins (min_pairs not null) Q; `sums` the row's 16 sums of qk in this
+// super block, dk its scale.
+inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf, const __m512i* min_pairs,
+                            __m512 mf, float dk, const int16_t* sums) {
+  const __m512 d = _mm512_set1_ps(dk);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_mul_ps(sf, d), acc);
+  if (min_pairs == nullptr) return acc;
+  __m512i q = _mm512_setzero_si512();
+  for (int p = 0; p < 8; ++p) {
+    int32_t pair;
+    std::memcpy(&pair, sums + 2 * p, 4);
+    q = dot_i16_pairs(q, min_pairs[p], _mm512_set1_epi32(pair));
+  }
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(mf, d), acc);
+}
 #endif
 
 // The float32 steps that follow a group's exact integer sum, for one output element (or 16
@@ -466,7 +634,7 @@ inline void unpack_i6_quad(const uint8_t* quad, __m512i (&u)[4]) {
 // MR rows of x (starting at row r0) against one tile: out[r, 0..lanes) for r < MR.
 // G (the weight group) and MR are template arguments so that every index into the
 // accumulator arrays is a constant and they live in registers.
-template <Format F, int G, int MR, typename S>
+template <Format F, int G, int MR, typename S, bool Fold = kFolded<F, S>>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* next = nullptr) {
   const int64_t k = x.k, groups = k / G;
@@ -476,6 +644,10 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
   constexpr int kChains = MR <= kFewRowsChains ? 4 : MR <= kTwoChainRows ? 2 : 1;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr bool folded = Fold;
+  const int8_t* xq = folded ? x.qk : x.q;
+  __m512i folded_sums[MR];  // the folded recipe's P of the current super block
+  for (int r = 0; r < MR; ++r) folded_sums[r] = _mm512_setzero_si512();
   constexpr int64_t group_bytes = tile_group_bytes<F>(G);  // of the 16 rows
   for (int64_t g = 0; g < groups; ++g) {
     if constexpr (MR <= 2) {
@@ -512,7 +684,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
         const int c_lo = (2 * p) % kChains, c_hi = (2 * p + 1) % kChains;
         for (int r = 0; r < MR; ++r) {
-          const int8_t* xr = x.q + (r0 + r) * k + k0;
+          const int8_t* xr = xq + (r0 + r) * k + k0;
           isum[r][c_lo] = dot_u8s8<true>(isum[r][c_lo], lo, broadcast4(xr + 4 * p));
           isum[r][c_hi] = dot_u8s8<true>(isum[r][c_hi], hi, broadcast4(xr + 4 * p + 16));
         }
@@ -522,7 +694,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       for (int p = 0; p < G / 4; ++p) {
         const __m512i v = _mm512_loadu_si512(w + p * 64);
         for (int r = 0; r < MR; ++r) {
-          const int8_t* xr = x.q + (r0 + r) * k + k0;
+          const int8_t* xr = xq + (r0 + r) * k + k0;
           isum[r][p % kChains] = dot_u8s8<false>(isum[r][p % kChains], v, broadcast4(xr + 4 * p));
         }
       }
@@ -534,26 +706,53 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
         for (int i = 0; i < 4; ++i) {
           const int p = 4 * quad + i;
           for (int r = 0; r < MR; ++r) {
-            const int8_t* xr = x.q + (r0 + r) * k + k0;
+            const int8_t* xr = xq + (r0 + r) * k + k0;
             isum[r][p % kChains] = dot_u8s8<true>(isum[r][p % kChains], u[i], broadcast4(xr + 4 * p));
           }
         }
       }
     }
-    const __m512 s = group_values16<S, G>(scales, groups, g);
-    __m512 mn = _mm512_setzero_ps();
-    if (mins != nullptr) mn = group_values16<S, G>(mins, groups, g);
+    __m512i exact[MR];
     for (int r = 0; r < MR; ++r) {
-      __m512i exact = isum[r][0];
-      if constexpr (kChains >= 2) exact = _mm512_add_epi32(exact, isum[r][1]);
+      exact[r] = isum[r][0];
+      if constexpr (kChains >= 2) exact[r] = _mm512_add_epi32(exact[r], isum[r][1]);
       if constexpr (kChains == 4)
-        exact = _mm512_add_epi32(exact, _mm512_add_epi32(isum[r][2], isum[r][3]));
-      if constexpr (byte_offset<F>() != 0)
-        exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(byte_offset<F>() * x.sum<G>(r0 + r, g)));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
-                               _mm512_mul_ps(s, _mm512_set1_ps(x.scale<G>(r0 + r, g))), acc[r]);
-      if (mins != nullptr)
-        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.group_min_scale<G>(r0 + r, g)), acc[r]);
+        exact[r] = _mm512_add_epi32(exact[r], _mm512_add_epi32(isum[r][2], isum[r][3]));
+      if constexpr (byte_offset<F>() != 0) {
+        const int32_t sum = folded ? x.super_group_sum<G>(r0 + r, g) : x.sum<G>(r0 + r, g);
+        exact[r] = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(byte_offset<F>() * sum));
+      }
+    }
+    if constexpr (folded) {
+      const __m512i sm = group_multipliers16(scales, g);
+      for (int r = 0; r < MR; ++r)
+        folded_sums[r] = _mm512_add_epi32(folded_sums[r], _mm512_mullo_epi32(exact[r], sm));
+      if (g % (kSuper / G) == kSuper / G - 1) {  // the super block's last group
+        const int64_t sb = g / (kSuper / G);
+        __m512i min_pairs[8];
+        __m512 mf = _mm512_setzero_ps();
+        if (mins != nullptr) {
+          min_multiplier_pairs<G>(mins, sb, min_pairs);
+          mf = super_factors16(mins, groups, sb);
+        }
+        const __m512 sf = super_factors16(scales, groups, sb);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t row = r0 + r;
+          acc[r] = super_steps16(acc[r], folded_sums[r], sf, mins != nullptr ? min_pairs : nullptr,
+                                 mf, x.super_scale(row, sb), x.super_sums(row, sb));
+          folded_sums[r] = _mm512_setzero_si512();
+        }
+      }
+    } else {
+      const __m512 s = group_values16<S, G>(scales, groups, g);
+      __m512 mn = _mm512_setzero_ps();
+      if (mins != nullptr) mn = group_values16<S, G>(mins, groups, g);
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[r]),
+                                 _mm512_mul_ps(s, _mm512_set1_ps(x.scale<G>(r0 + r, g))), acc[r]);
+        if (mins != nullptr)
+          acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.group_min_scale<G>(r0 + r, g)), acc[r]);
+      }
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
@@ -602,6 +801,17 @@ inline __m256 group_values8(const void* base, int64_t groups, int64_t g, int hal
   }
 }
 
+// The folded recipe's KScale parts, lanes 8 half .. 8 half + 7: group g's int8 multipliers
+// as int32, super block s's float factors.
+inline __m256i group_multipliers8(const void* base, int64_t g, int half) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + g * kTile + 8 * half)));
+}
+inline __m256 super_factors8(const void* base, int64_t groups, int64_t s, int half) {
+  const float* factor = reinterpret_cast<const float*>(static_cast<const int8_t*>(base) + groups * kTile);
+  return _mm256_loadu_ps(factor + s * kTile + 8 * half);
+}
+
 inline __m256i broadcast4_avx2(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -632,7 +842,7 @@ inline void unpack_i6_quad_half(const uint8_t* quad, int half, __m256i (&q)[4]) 
 // spilling most of them to the stack (the pass ran at a third of its issue rate).
 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
-template <Format F, int G, int MR, typename S>
+template <Format F, int G, int MR, typename S, bool Fold = kFolded<F, S>>
 inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t r0,
                            float* out, int64_t out_stride, int64_t lanes, int half,
                            const TileData* next) {
@@ -645,6 +855,10 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
   constexpr int64_t group_bytes = tile_group_bytes<F>(G);  // of the 16 rows
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  constexpr bool folded = Fold;
+  const int8_t* xq = folded ? x.qk : x.q;
+  __m256i folded_sums[MR];  // the folded recipe's P of the current super block
+  for (int r = 0; r < MR; ++r) folded_sums[r] = _mm256_setzero_si256();
   for (int64_t g = 0; g < groups; ++g) {
     // Prefetching as the AVX-512 code does; the second half reads the tile from L1.
     if (half == 0 && MR <= 2) {
@@ -665,14 +879,24 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
         const __m256i lo = _mm256_and_si256(v, nibble);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         for (int r = 0; r < MR; ++r) {
-          const int8_t* xr = x.q + (r0 + r) * k + k0;
+          const int8_t* xr = xq + (r0 + r) * k + k0;
           pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, broadcast4_avx2(xr + 4 * p)));
           pairs[r] = _mm256_add_epi16(pairs[r],
                                       _mm256_maddubs_epi16(hi, broadcast4_avx2(xr + 4 * p + 16)));
         }
         for (int r = 0; r < MR; ++r) keep_in_register(pairs[r]);
       }
-      for (int r = 0; r < MR; ++r) exact[r] = _mm256_madd_epi16(pairs[r], ones);
+      if constexpr (folded) {
+        // vpmaddwd against the group's multiplier in both halves of each lane: sm times the
+        // group's sum, exact, folded into P.
+        const __m256i sm = group_multipliers8(scales, g, half);
+        const __m256i sm_twice = _mm256_or_si256(_mm256_and_si256(sm, _mm256_set1_epi32(0xFFFF)),
+                                                 _mm256_slli_epi32(sm, 16));
+        for (int r = 0; r < MR; ++r)
+          folded_sums[r] = _mm256_add_epi32(folded_sums[r], _mm256_madd_epi16(pairs[r], sm_twice));
+      } else {
+        for (int r = 0; r < MR; ++r) exact[r] = _mm256_madd_epi16(pairs[r], ones);
+      }
     } else {
       // Vector p's signed q (16 rows x 4 K values, this half's 8 rows).
       auto signed_q = [&](int p, __m256i (&quad)[4]) {
@@ -690,12 +914,45 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
         const __m256i q = signed_q(p, quad);
         const __m256i magnitude = _mm256_abs_epi8(q);  // -128 gives the byte 128: |q|
         for (int r = 0; r < MR; ++r) {
-          const __m256i signed_x = _mm256_sign_epi8(broadcast4_avx2(x.q + (r0 + r) * k + k0 + 4 * p), q);
+          const __m256i signed_x = _mm256_sign_epi8(broadcast4_avx2(xq + (r0 + r) * k + k0 + 4 * p), q);
           exact[r] = _mm256_add_epi32(
               exact[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
         }
         for (int r = 0; r < MR; ++r) keep_in_register(exact[r]);
       }
+      if constexpr (folded) {  // q . x exactly (no offset here), times sm, into P
+        const __m256i sm = group_multipliers8(scales, g, half);
+        for (int r = 0; r < MR; ++r)
+          folded_sums[r] = _mm256_add_epi32(folded_sums[r], _mm256_mullo_epi32(exact[r], sm));
+      }
+    }
+    if constexpr (folded) {
+      if (g % (kSuper / G) != kSuper / G - 1) continue;
+      const int64_t sb = g / (kSuper / G);
+      __m256i min_pairs[8];  // as min_multiplier_pairs, this half's 8 lanes
+      for (int p = 0; p < 8 && mins != nullptr; ++p) {
+        const __m256i even = group_multipliers8(mins, G == 16 ? 16 * sb + 2 * p : 8 * sb + p, half);
+        const __m256i odd = G == 16 ? group_multipliers8(mins, 16 * sb + 2 * p + 1, half) : even;
+        min_pairs[p] = _mm256_or_si256(_mm256_and_si256(even, _mm256_set1_epi32(0xFFFF)),
+                                       _mm256_slli_epi32(odd, 16));
+      }
+      const __m256 sf = super_factors8(scales, groups, sb, half);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 d = _mm256_set1_ps(x.super_scale(r0 + r, sb));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded_sums[r]), _mm256_mul_ps(sf, d), acc[r]);
+        folded_sums[r] = _mm256_setzero_si256();
+        if (mins == nullptr) continue;
+        const int16_t* sums = x.super_sums(r0 + r, sb);
+        __m256i q = _mm256_setzero_si256();
+        for (int p = 0; p < 8; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, sums + 2 * p, 4);
+          q = _mm256_add_epi32(q, _mm256_madd_epi16(min_pairs[p], _mm256_set1_epi32(pair)));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
+                                 _mm256_mul_ps(super_factors8(mins, groups, sb, half), d), acc[r]);
+      }
+      continue;
     }
     const __m256 s = group_values8<S, G>(scales, groups, g, half);
     const __m256 mn =
@@ -713,23 +970,23 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
   for (int r = 0; r < MR; ++r) _mm256_maskstore_ps(out + r * out_stride + 8 * half, mask, acc[r]);
 }
 
-template <Format F, int G, int MR, typename S>
+template <Format F, int G, int MR, typename S, bool Fold = kFolded<F, S>>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* next = nullptr) {
   constexpr int kPass = F == Format::kU4 ? kAvx2PassRows : kAvx2I8PassRows;
   if constexpr (MR > kPass) {
-    tile_rows<F, G, kPass, S>(tile, x, r0, out, out_stride, lanes, next);
-    tile_rows<F, G, MR - kPass, S>(tile, x, r0 + kPass, out + kPass * out_stride, out_stride,
+    tile_rows<F, G, kPass, S, Fold>(tile, x, r0, out, out_stride, lanes, next);
+    tile_rows<F, G, MR - kPass, S, Fold>(tile, x, r0 + kPass, out + kPass * out_stride, out_stride,
                                    lanes);
   } else {
     for (int half = 0; half < 2 && 8 * half < lanes; ++half)
-      tile_rows_half<F, G, MR, S>(tile, x, r0, out, out_stride, lanes, half, next);
+      tile_rows_half<F, G, MR, S, Fold>(tile, x, r0, out, out_stride, lanes, half, next);
   }
 }
 #else
 // Without AVX-512 or AVX2: the same recipe, one output element at a time (slow; the engine
 // only takes the fast path on AVX-512 and AVX2 CPUs).
-template <Format F, int G, int MR, typename S>
+template <Format F, int G, int MR, typename S, bool Fold = kFolded<F, S>>
 inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, float* out,
                       int64_t out_stride, int64_t lanes, const TileData* /*next*/ = nullptr) {
   const int64_t k = x.k, groups = k / G;
@@ -737,10 +994,28 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
     const int64_t row = r0 + r;
     for (int64_t lane = 0; lane < lanes; ++lane) {
       float acc = 0.f;
+      int32_t folded_sum = 0;  // the folded recipe's P of the current super block
       for (int64_t g = 0; g < groups; ++g) {
         int32_t isum = 0;
+        const int8_t* xq = Fold ? x.qk : x.q;
         for (int64_t kk = g * G; kk < (g + 1) * G; ++kk) {
-          isum += tile_value<F>(tile.bytes, kk, lane) * x.q[row * k + kk];
+          isum += tile_value<F>(tile.bytes, kk, lane) * xq[row * k + kk];
+        }
+        if constexpr (Fold) {
+          folded_sum += group_multiplier(tile.scales, g, lane) * isum;
+          if (g % (kSuper / G) != kSuper / G - 1) continue;
+          const int64_t sb = g / (kSuper / G);
+          const float dk = x.super_scale(row, sb);
+          acc = std::fma(static_cast<float>(folded_sum),
+                         super_factor(tile.scales, groups, sb, lane) * dk, acc);
+          folded_sum = 0;
+          if (tile.mins == nullptr) continue;
+          int32_t min_sum = 0;
+          for (int64_t j = sb * (kSuper / G); j < (sb + 1) * (kSuper / G); ++j)
+            min_sum += group_multiplier(tile.mins, j, lane) * x.super_group_sum<G>(row, j);
+          acc = std::fma(static_cast<float>(min_sum), super_factor(tile.mins, groups, sb, lane) * dk,
+                         acc);
+          continue;
         }
         const float s = group_value<S, G>(tile.scales, groups, g, lane);
         acc = std::fma(static_cast<float>(isum), s * x.scale<G>(row, g), acc);
@@ -767,6 +1042,11 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 // is faster (measured on one 3072 x 576 u4 weight: at 4 rows 0.9x, at 8 and more 1.3-2.3x).
 constexpr int64_t kAmxMinRows = 8;
 constexpr int64_t kTileBlock = 4;  // weight tiles whose B tiles are made and used together
+// The folded recipe from 16 rows: its B tiles cost twice the bytes to make, which a chunk
+// of fewer rows does not repay (8 rows of a Q4_K 16384 x 2048 gate_up: 1.31-1.72 ms on AMX
+// against 0.71-0.87 on VNNI; 16 rows: 1.32 against 1.46, and a Q6_K 2048 x 8192 down 0.81
+// against 1.16).
+constexpr int64_t kAmxFoldedMinRows = 16;
 
 // The activations of one call regrouped for AMX, per chunk c of 16 rows (rows past M zero):
 //   q   int8  [chunks, K/G, 16 rows, G]   an A tile is 16 G contiguous bytes
@@ -914,6 +1194,188 @@ inline void amx_chunk(const uint8_t* b, const TileData& tile, const AmxRows& x, 
   }
 }
 
+template <Format F, typename S>
+constexpr int64_t amx_min_rows() {
+  return kFolded<F, S> ? kAmxFoldedMinRows : kAmxMinRows;
+}
+
+// ---- the folded recipe on AMX
+// The activations of one call for the folded recipe, per chunk c of 16 rows (rows past M
+// zero):
+//   q     int8  [chunks, K/64, 16 rows, 64]     an A tile per 64 values of K
+//   d     float [chunks, K/256, 16 rows]        dk
+//   sums  int16 [chunks, K/256, 16 rows, 16]    sk
+struct AmxSuperRows {
+  const int8_t* q;
+  const float* d;
+  const int16_t* sums;
+  int64_t supers;
+};
+
+AmxSuperRows amx_super_rows(const QuantizedRows& x, int64_t m) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int16_t> sums;
+  const int64_t k = x.k, steps = k / 64, supers = k / kSuper, chunks = (m + kTile - 1) / kTile;
+  q.assign(chunks * steps * kTile * 64, 0);
+  d.assign(chunks * supers * kTile, 0.f);
+  sums.assign(chunks * supers * kTile * 16, 0);
+  for (int64_t row = 0; row < m; ++row) {
+    const int64_t c = row / kTile, r = row % kTile;
+    for (int64_t step = 0; step < steps; ++step)
+      std::memcpy(&q[((c * steps + step) * kTile + r) * 64], x.qk + row * k + step * 64, 64);
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      d[(c * supers + sb) * kTile + r] = x.super_scale(row, sb);
+      std::memcpy(&sums[((c * supers + sb) * kTile + r) * 16], x.super_sums(row, sb), 32);
+    }
+  }
+  return {q.data(), d.data(), sums.data(), supers};
+}
+
+// One Q4_K weight tile (u4 bytes, its KScale scales at `scales`) -> its folded B tiles,
+// int8 [K/64, 2, 16, 64]: per 64 values of K the tile of q * (sm & 7), then the tile of
+// q * (sm >> 3), so that q * sm = first + 8 second, in the VNNI order of weight_groups
+// (group 2j in B rows 0..7 of step j, group 2j + 1 in rows 8..15). Q4_K's multipliers are
+// 6 bits (0..63, checked when the weight is tiled): each part is at most 15 * 7 = 105, so
+// a 16-bit multiply of two nibble bytes by a part leaves each byte its own product.
+void folded_weight_groups(const uint8_t* bytes, const void* scales, int64_t k, uint8_t* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < k / 32; ++g) {
+    // Lane r (row r's 4 bytes): the part in both of its 16-bit halves.
+    const __m512i sm = group_multipliers16(scales, g);
+    const __m512i low = _mm512_and_si512(sm, _mm512_set1_epi32(7));
+    const __m512i high = _mm512_srli_epi32(sm, 3);
+    const __m512i low16 = _mm512_or_si512(low, _mm512_slli_epi32(low, 16));
+    const __m512i high16 = _mm512_or_si512(high, _mm512_slli_epi32(high, 16));
+    uint8_t* step = out + (g / 2) * 2048 + (g % 2) * 512;
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(bytes + g * 256 + p * 64);
+      const __m512i nibbles[2] = {_mm512_and_si512(v, nibble),
+                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+      for (int half = 0; half < 2; ++half) {  // K 4p + j, then 16 + 4p + j
+        _mm512_store_si512(step + half * 256 + p * 64, _mm512_mullo_epi16(nibbles[half], low16));
+        _mm512_store_si512(step + 1024 + half * 256 + p * 64,
+                           _mm512_mullo_epi16(nibbles[half], high16));
+      }
+    }
+  }
+}
+
+// One i6 weight tile (Q2_K, Q3_K, Q5_K, Q6_K; groups of G) -> its folded B tiles, int8
+// [K/64, 2, 16, 64]: per 64 values of K the tile of (q * sm) & 127, then the tile of
+// (q * sm) >> 7, so that q * sm = first + 128 second (|q * sm| <= 32 * 128: the second is
+// within -32..32), K in the i8 order (vector p, K values 4p .. 4p + 3: B row p % 16 of
+// step p / 16).
+template <int G>
+void folded_i6_weight_groups(const uint8_t* bytes, const void* scales, int64_t k, uint8_t* out) {
+  const __m512i offset = _mm512_set1_epi8(32), low7 = _mm512_set1_epi8(0x7F);
+  const __mmask64 odd_bytes = 0xAAAAAAAAAAAAAAAAull;
+  for (int64_t quad = 0; quad < k / 16; ++quad) {
+    // The quad's group multiplier of each row, as int16 in both halves of the row's lane.
+    const __m512i sm = group_multipliers16(scales, quad * 16 / G);
+    const __m512i sm16 = _mm512_or_si512(_mm512_and_si512(sm, _mm512_set1_epi32(0xFFFF)),
+                                         _mm512_slli_epi32(sm, 16));
+    __m512i u[4];
+    unpack_i6_quad(bytes + quad * kI6QuadBytes, u);
+    for (int i = 0; i < 4; ++i) {
+      const int64_t p = 4 * quad + i;
+      const __m512i q = _mm512_sub_epi8(u[i], offset);
+      // Each byte's q * sm as an exact int16: the even bytes, then the odd ones.
+      const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), sm16);
+      const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(q, 8), sm16);
+      const __m512i lo = _mm512_and_si512(
+          _mm512_mask_blend_epi8(odd_bytes, even, _mm512_slli_epi16(odd, 8)), low7);
+      const __m512i hi = _mm512_mask_blend_epi8(odd_bytes, _mm512_srai_epi16(even, 7),
+                                                _mm512_slli_epi16(_mm512_srai_epi16(odd, 7), 8));
+      uint8_t* row = out + (p / 16) * 2048 + (p % 16) * 64;
+      _mm512_store_si512(row, lo);
+      _mm512_store_si512(row + 1024, hi);
+    }
+  }
+}
+
+// One super block's folded sums for 16 rows of x against one weight tile: accumulators 0
+// (lo) and 1 (hi) over its 4 steps of 64 values of K, stored into sums[0] and sums[1], int32
+// [16 rows, 16 lanes] each. The steps alternate between two sets of A and B tiles (4, 2, 3
+// and 5, 6, 7): tiles are not renamed, so a step that loaded into the tiles the last one
+// multiplies would wait for that multiply to finish.
+#define PAGEDLLM_SUPER_STEP(TA, TL, TH, a, b)       \
+  PAGEDLLM_TILE_LOAD(TA, (a), 64, 1024);            \
+  PAGEDLLM_TILE_LOAD(TL, (b), 64, 1024);            \
+  PAGEDLLM_TILE_LOAD(TH, (b) + 1024, 64, 1024);     \
+  _tile_dpbssd(0, TA, TL);                          \
+  _tile_dpbssd(1, TA, TH)
+#define PAGEDLLM_SUPER_SUMS(a, b, sums)                          \
+  do {                                                           \
+    _tile_zero(0);                                               \
+    _tile_zero(1);                                               \
+    PAGEDLLM_SUPER_STEP(4, 2, 3, (a), (b));                      \
+    PAGEDLLM_SUPER_STEP(5, 6, 7, (a) + 1024, (b) + 2048);        \
+    PAGEDLLM_SUPER_STEP(4, 2, 3, (a) + 2048, (b) + 4096);        \
+    PAGEDLLM_SUPER_STEP(5, 6, 7, (a) + 3072, (b) + 6144);        \
+    PAGEDLLM_TILE_STORE(0, (sums)[0]);                           \
+    PAGEDLLM_TILE_STORE(1, (sums)[1]);                           \
+  } while (0)
+
+// amx_tile_rows for the folded recipe: chunk c of x (MR rows computed) against one weight
+// tile (groups of G) whose folded B tiles are `wfolded`. P = lo + (hi << kHiShift) (3 for
+// u4 tiles, 7 for i6), then super_steps16 per row.
+template <int MR, int kHiShift, int G>
+void amx_folded_tile_rows(const uint8_t* wfolded, const TileData& tile, const AmxSuperRows& x,
+                          int64_t c, float* out, int64_t out_stride, int64_t lanes, int64_t rows) {
+  const int64_t supers = x.supers, groups = supers * (kSuper / G);
+  const int8_t* a = x.q + c * supers * 4 * 1024;
+  const float* d = x.d + c * supers * kTile;
+  const int16_t* row_sums = x.sums + c * supers * kTile * 16;
+  alignas(64) int32_t sums[2][2][256];  // [super block parity][lo, hi][row * 16 + lane]
+#define PAGEDLLM_DECLARE(R) __m512 acc##R = _mm512_setzero_ps();
+  PAGEDLLM_EACH_ROW(PAGEDLLM_DECLARE)
+#undef PAGEDLLM_DECLARE
+  // Software pipeline as amx_tile_rows: super block s + 1 is multiplied while the float
+  // steps of s run.
+  PAGEDLLM_SUPER_SUMS(a, wfolded, sums[0]);
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    if (sb + 1 < supers)
+      PAGEDLLM_SUPER_SUMS(a + (sb + 1) * 4096, wfolded + (sb + 1) * 8192, sums[(sb + 1) & 1]);
+    const int32_t* lo = sums[sb & 1][0];
+    const int32_t* hi = sums[sb & 1][1];
+    __m512i min_pairs[8];
+    __m512 mf = _mm512_setzero_ps();
+    if (tile.mins != nullptr) {
+      min_multiplier_pairs<G>(tile.mins, sb, min_pairs);
+      mf = super_factors16(tile.mins, groups, sb);
+    }
+    const __m512i* pairs = tile.mins != nullptr ? min_pairs : nullptr;
+    const __m512 sf = super_factors16(tile.scales, groups, sb);
+#define PAGEDLLM_SUPER_STEPS(R)                                                                 \
+  if constexpr (R < MR)                                                                         \
+    acc##R = super_steps16(                                                                     \
+        acc##R,                                                                                 \
+        _mm512_add_epi32(_mm512_load_si512(lo + R * 16),                                        \
+                         _mm512_slli_epi32(_mm512_load_si512(hi + R * 16), kHiShift)),          \
+        sf, pairs, mf, d[sb * kTile + R], row_sums + (sb * kTile + R) * 16);
+    PAGEDLLM_EACH_ROW(PAGEDLLM_SUPER_STEPS)
+#undef PAGEDLLM_SUPER_STEPS
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+#define PAGEDLLM_STORE(R) \
+  if constexpr (R < MR)   \
+    if (R < rows) _mm512_mask_storeu_ps(out + R * out_stride, mask, acc##R);
+  PAGEDLLM_EACH_ROW(PAGEDLLM_STORE)
+#undef PAGEDLLM_STORE
+}
+
+template <int kHiShift, int G>
+inline void amx_folded_chunk(const uint8_t* b, const TileData& tile, const AmxSuperRows& x,
+                             int64_t c, float* out, int64_t ldo, int64_t lanes, int64_t rows) {
+  switch ((rows + 3) / 4) {
+    case 4: amx_folded_tile_rows<16, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows); break;
+    case 3: amx_folded_tile_rows<12, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows); break;
+    case 2: amx_folded_tile_rows<8, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows); break;
+    default: amx_folded_tile_rows<4, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows); break;
+  }
+}
+
 // x W^T [M, N] into out (rows ldo floats apart). With `gated` (a gate_up weight: gate rows
 // 0..N/2-1, up rows N/2..N-1, N % 32 == 0), out [M, N/2] = act(x W_gate^T) * (x W_up^T)
 // instead: a thread takes gate tile t with up tile t + T/2, as gated_tiled_matmul's VNNI
@@ -931,7 +1393,25 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
   const char* sp = static_cast<const char*>(scales.data_ptr());
   const char* mp = mins.numel() > 0 ? static_cast<const char*>(mins.data_ptr()) : nullptr;
   const int64_t value_bytes = tile_values_bytes<S>(groups, k);
-  const AmxRows x = amx_rows<G>(qx, m);
+  constexpr bool folded = kFolded<F, S>;
+  AmxRows x{};
+  AmxSuperRows xs{};
+  if constexpr (folded) xs = amx_super_rows(qx, m);
+  else x = amx_rows<G>(qx, m);
+  // A weight tile's B tiles, and the kernel of one chunk of x against them.
+  auto unpack = [&](int64_t t, uint8_t* dst) {
+    if constexpr (folded && F == Format::kU4)
+      folded_weight_groups(tp + t * tile_bytes, sp + t * value_bytes, k, dst);
+    else if constexpr (folded)
+      folded_i6_weight_groups<G>(tp + t * tile_bytes, sp + t * value_bytes, k, dst);
+    else weight_groups<F>(tp + t * tile_bytes, k, dst);
+  };
+  auto chunk = [&](const uint8_t* b, const TileData& td, int64_t c, float* o, int64_t o_stride,
+                   int64_t lanes, int64_t rows) {
+    if constexpr (folded)
+      amx_folded_chunk<F == Format::kU4 ? 3 : 7, G>(b, td, xs, c, o, o_stride, lanes, rows);
+    else amx_chunk<G, S>(b, td, x, c, o, o_stride, lanes, rows);
+  };
   const int64_t up_offset = gated ? num_tiles / 2 : 0;  // gate tile t's up tile: t + this
   const int64_t work_tiles = gated ? num_tiles / 2 : num_tiles;
   const int64_t tiles_per_item = gated ? 2 : 1;
@@ -940,12 +1420,14 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
                     mp != nullptr ? mp + t * value_bytes : nullptr};
   };
   parallel_for(0, work_tiles, 1, [&](int64_t begin, int64_t end) {
-    amx::configure_thread(G);
+    if constexpr (folded) amx::configure_thread_square();
+    else amx::configure_thread(G);
     // B tiles of kTileBlock weight tiles (and as many up tiles) at a time (K * 16 bytes
     // each), 64-byte aligned: they stay in cache while every chunk of x passes them, and a
     // chunk's A tiles stay in cache across the block.
     thread_local std::vector<uint8_t> storage;
-    const int64_t weight_bytes = k * kTile, block_bytes = kTileBlock * weight_bytes;
+    // (folded: two B tiles, lo and hi, per 64 values of K)
+    const int64_t weight_bytes = k * kTile * (folded ? 2 : 1), block_bytes = kTileBlock * weight_bytes;
     if (static_cast<int64_t>(storage.size()) < tiles_per_item * block_bytes + 64)
       storage.resize(tiles_per_item * block_bytes + 64);
     uint8_t* wgroups = reinterpret_cast<uint8_t*>(
@@ -955,9 +1437,8 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
     for (int64_t t0 = begin; t0 < end; t0 += kTileBlock) {
       const int64_t t1 = std::min(end, t0 + kTileBlock);
       for (int64_t t = t0; t < t1; ++t) {
-        weight_groups<F>(tp + t * tile_bytes, k, wgroups + (t - t0) * weight_bytes);
-        if (gated)
-          weight_groups<F>(tp + (t + up_offset) * tile_bytes, k, up_groups + (t - t0) * weight_bytes);
+        unpack(t, wgroups + (t - t0) * weight_bytes);
+        if (gated) unpack(t + up_offset, up_groups + (t - t0) * weight_bytes);
       }
       for (int64_t c = 0; c * kTile < m; ++c) {
         const int64_t rows = std::min(kTile, m - c * kTile);
@@ -965,12 +1446,12 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
           const uint8_t* b = wgroups + (t - t0) * weight_bytes;
           float* o = out + c * kTile * ldo + t * kTile;
           if (!gated) {
-            amx_chunk<G, S>(b, tile_data(t), x, c, o, ldo, std::min(kTile, n - t * kTile), rows);
+            chunk(b, tile_data(t), c, o, ldo, std::min(kTile, n - t * kTile), rows);
             continue;
           }
-          amx_chunk<G, S>(b, tile_data(t), x, c, gate_out, kTile, kTile, rows);
-          amx_chunk<G, S>(up_groups + (t - t0) * weight_bytes, tile_data(t + up_offset), x, c,
-                          up_out, kTile, kTile, rows);
+          chunk(b, tile_data(t), c, gate_out, kTile, kTile, rows);
+          chunk(up_groups + (t - t0) * weight_bytes, tile_data(t + up_offset), c, up_out, kTile,
+                kTile, rows);
           gated_rows(gate_out, up_out, kTile, o, ldo, rows, kTile, gelu);
         }
       }
@@ -1012,7 +1493,7 @@ inline void unpack_i6_tile(const uint8_t* src, int64_t k, uint8_t* dst) {
 // Rows c0 .. c1 (at most kRowChunk) of x against one tile: out[r - c0] for each row,
 // rows out_stride apart; `ahead` (the tile this thread takes next, or null) is
 // prefetched by the first pass.
-template <Format F, int G, typename S>
+template <Format F, int G, typename S, bool Fold = kFolded<F, S>>
 inline void tile_row_chunk(const TileData& tile, const QuantizedRows& x, int64_t c0, int64_t c1,
                            float* out, int64_t out_stride, int64_t lanes, const TileData* ahead) {
   if constexpr (F == Format::kI6) {
@@ -1026,13 +1507,13 @@ inline void tile_row_chunk(const TileData& tile, const QuantizedRows& x, int64_t
       unpack_i6_tile(tile.bytes, x.k, unpacked.data());
       const TileData as_i8{unpacked.data(), tile.scales, tile.mins};
       // `ahead` is read in i8 strides: it covers the next i6 tile and more (harmless).
-      tile_row_chunk<Format::kI8, G, S>(as_i8, x, c0, c1, out, out_stride, lanes, ahead);
+      tile_row_chunk<Format::kI8, G, S, Fold>(as_i8, x, c0, c1, out, out_stride, lanes, ahead);
       return;
     }
   }
   int64_t r = c0;
   for (; c1 - r > kLastPassRows; r += kPassRows)
-    tile_rows<F, G, kPassRows, S>(tile, x, r, out + (r - c0) * out_stride, out_stride, lanes,
+    tile_rows<F, G, kPassRows, S, Fold>(tile, x, r, out + (r - c0) * out_stride, out_stride, lanes,
                                   r == c0 ? ahead : nullptr);
   if (r == c1) return;
   // The last pass takes the remaining rows at once (1..kLastPassRows).
@@ -1040,7 +1521,7 @@ inline void tile_row_chunk(const TileData& tile, const QuantizedRows& x, int64_t
   float* o = out + (r - c0) * out_stride;
   switch (c1 - r) {
 #define PAGEDLLM_LAST_PASS(MR) \
-  case MR: tile_rows<F, G, MR, S>(tile, x, r, o, out_stride, lanes, last_ahead); break;
+  case MR: tile_rows<F, G, MR, S, Fold>(tile, x, r, o, out_stride, lanes, last_ahead); break;
     PAGEDLLM_LAST_PASS(7) PAGEDLLM_LAST_PASS(6) PAGEDLLM_LAST_PASS(5)
     PAGEDLLM_LAST_PASS(4) PAGEDLLM_LAST_PASS(3) PAGEDLLM_LAST_PASS(2)
     PAGEDLLM_LAST_PASS(1)
@@ -1077,7 +1558,7 @@ template <Format F, int G, typename S>
 void tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles, const Tensor& scales,
                   const Tensor& mins, int64_t n, float* out, int64_t ldo) {
 #ifdef PAGEDLLM_AMX
-  if (m >= kAmxMinRows && amx::enabled()) {
+  if (m >= amx_min_rows<F, S>() && amx::enabled()) {
     amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, out, ldo);
     return;
   }
@@ -1107,7 +1588,7 @@ void gated_tiled_matmul(const QuantizedRows& x, int64_t m, const Tensor& tiles,
                         float* out) {
   const int64_t half = n / 2, half_tiles = half / kTile;
 #ifdef PAGEDLLM_AMX
-  if (m >= kAmxMinRows && amx::enabled()) {
+  if (m >= amx_min_rows<F, S>() && amx::enabled()) {
     amx_matmul<F, G, S>(x, m, tiles, scales, mins, n, out, half, /*gated=*/true, gelu);
     return;
   }
@@ -1159,6 +1640,12 @@ void check_tiles(const Tensor& tiles, const Tensor& scales, const Tensor& mins, 
   TORCH_CHECK(format != Format::kU4 || mins.numel() > 0, "u4 weights need mins");
 }
 
+// kFolded at run time: whether a weight of this format and these scales takes the folded
+// recipe (its calls quantize x in super blocks too).
+inline bool takes_folded_recipe(Format format, const Tensor& scales) {
+  return format != Format::kI8 && scales.scalar_type() == at::kByte;
+}
+
 // fn(format, group, scale) with each as a compile-time value, for the kernels'
 // templates: a tag of the format (::value), of the group (::value), and a value of the
 // scales' stored form (float, at::Half or KScale).
@@ -1200,7 +1687,7 @@ Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor&
   check_tiles(tiles, scales, mins, n, k, group, format);
   Tensor out = float_output(out_buffer, m, gated ? n / 2 : n, x.options());
   if (m == 0) return out;
-  const QuantizedRows qx = quantize_activations(x);
+  const QuantizedRows qx = quantize_activations(x, takes_folded_recipe(format, scales));
   float* op = out.data_ptr<float>();
   with_tile_format(format, group, scales, [&](auto f, auto g, auto s) {
     constexpr Format F = decltype(f)::value;
@@ -1368,6 +1855,22 @@ std::tuple<Tensor, Tensor, Tensor> quantize_activations_op(const Tensor& x_in) {
   return {qx, d, xs};
 }
 
+// x [M, K] float32 (K % 256 == 0) -> (qk int8 [M, K], dk float32 [M, K/256], sk int16
+// [M, K/16]): the folded recipe's activations (for tests).
+std::tuple<Tensor, Tensor, Tensor> quantize_super_blocks_op(const Tensor& x_in) {
+  Tensor x = x_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kSuper == 0, "x must be [M, K], K a multiple of 256");
+  const int64_t m = x.size(0), k = x.size(1);
+  const QuantizedRows q = quantize_activations(x, /*super_blocks=*/true);
+  Tensor qk = at::empty({m, k}, x.options().dtype(at::kChar));
+  Tensor dk = at::empty({m, k / kSuper}, x.options());
+  Tensor sk = at::empty({m, k / kHalf}, x.options().dtype(at::kShort));
+  std::memcpy(qk.data_ptr<int8_t>(), q.qk, m * k);
+  std::memcpy(dk.data_ptr<float>(), q.dk, m * (k / kSuper) * sizeof(float));
+  std::memcpy(sk.data_ptr<int16_t>(), q.sk, m * (k / kHalf) * sizeof(int16_t));
+  return {qk, dk, sk};
+}
+
 // x [M, K] float32 -> each part's x W^T into its columns of out [M, ldo]: the rows are
 // quantized once for every part (a quantized row is the same whichever weight it meets,
 // so each part's columns are the bits its own linear would give).
@@ -1381,7 +1884,10 @@ void tiled_linear_parts(const Tensor& x_in, const std::vector<api::TiledPart>& p
     TORCH_CHECK(p.col >= 0 && p.col + p.rows <= ldo, "a part's columns lie outside the output");
   }
   if (m == 0 || parts.empty()) return;
-  const QuantizedRows qx = quantize_activations(x);
+  bool super_blocks = false;
+  for (const api::TiledPart& p : parts)
+    super_blocks = super_blocks || takes_folded_recipe(tile_format(p.u4, *p.tiles), *p.scales);
+  const QuantizedRows qx = quantize_activations(x, super_blocks);
   for (const api::TiledPart& p : parts) {
     with_tile_format(tile_format(p.u4, *p.tiles), p.group, *p.scales,
                      [&](auto f, auto g, auto s) {
@@ -1459,6 +1965,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         "int k, bool is_u4) -> Tensor", &pagedllm::tiled_rows);
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)",
         &pagedllm::quantize_activations_op);
+  m.def("quantize_super_blocks(Tensor x) -> (Tensor, Tensor, Tensor)",
+        &pagedllm::quantize_super_blocks_op);
   // Whether the packed linears use AMX int8 tiles for batches (same bits either way).
   m.def("amx_enabled() -> bool", []() { return pagedllm::amx::enabled(); });
   m.def("set_amx_enabled(bool enabled) -> bool",
