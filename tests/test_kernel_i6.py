@@ -1,7 +1,9 @@
 """i6 tiles (kernels/csrc/linear_packed.cpp): weights whose q fit in -32..31 (Q2_K to Q6_K)
-held in 6 bits a value give the bits of the same weights in i8 tiles, on every kernel that
+held in 6 bits a value give the bits of the same weights in i8 tiles on every kernel that
 reads tiles, at every row count (the one-row decode, the passes of 2-7 rows, the AMX
-batches from 8 rows where the CPU has AMX), and the loader picks them for GGUF K-quants."""
+batches from 8 rows where the CPU has AMX), and the loader picks them for GGUF K-quants.
+K-quant values on i6 tiles take the folded recipe instead (i8 tiles do not), so theirs are
+checked for batch invariance here and for the recipe in test_cpu_kernels.py."""
 
 from __future__ import annotations
 
@@ -60,7 +62,6 @@ def both_tilings(weight: PackedWeight) -> tuple:
         lambda: six_bit_weight(37, 96, 32, False, 1),  # Q5_0: partial last tile
         lambda: six_bit_weight(48, 64, 16, True, 2),  # Q2_K-like: mins, groups of 16
         lambda: six_bit_weight(40, 128, 32, True, 3),  # Q5_1 / Q5_K
-        lambda: k_quant_weight(45, 512, 4),  # Q6_K with its K factors
     ],
 )
 def test_i6_tiles_give_the_bits_of_i8_tiles(make):
@@ -73,6 +74,22 @@ def test_i6_tiles_give_the_bits_of_i8_tiles(make):
         assert torch.equal(six.matmul(x), eight.matmul(x)), rows
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(six.rows(ids), eight.rows(ids))  # an embedding lookup of a tied head
+
+
+def test_a_k_quant_on_i6_tiles_takes_the_folded_recipe_at_every_row_count():
+    """Q6_K with its K factors: i6 tiles meet Q8_K activations (the folded recipe, which
+    i8 tiles with K factors do not take; tests/test_cpu_kernels.py checks the recipe), so
+    the products differ from the i8 tiles' while a row's bits stay the same at every row
+    count; an embedding lookup reads the i8 tiles' exact values."""
+    six, eight = both_tilings(k_quant_weight(45, 512, 4))
+    n, k = six.shape
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(5)) * 2
+    full = six.matmul(x)
+    assert not torch.equal(full, eight.matmul(x))
+    for rows in ROWS:
+        assert torch.equal(six.matmul(x[:rows]), full[:rows]), rows
+    ids = torch.tensor([0, n - 1, n // 2, 0])
+    assert torch.equal(six.rows(ids), eight.rows(ids))
 
 
 @pytest.mark.parametrize("gelu", [False, True])
