@@ -1125,6 +1125,22 @@ void weight_groups(const uint8_t* bytes, int64_t k, uint8_t* out) {
 // The rows of a chunk, for code that names one accumulator per row (see amx_tile_rows).
 #define PAGEDLLM_EACH_ROW(X) \
   X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+// Row R's accumulator into out (rows out_stride apart, `mask` its lanes), if R < rows.
+#define PAGEDLLM_STORE_ROW(R) \
+  if constexpr (R < MR)       \
+    if (R < rows) _mm512_mask_storeu_ps(out + R * out_stride, mask, acc##R);
+
+// fn(std::integral_constant<int, MR>) for a chunk of `rows` rows: MR the multiple of 4 that
+// the AMX kernels compute (their accumulators are named per row, so MR is a template value).
+template <typename Fn>
+inline void with_chunk_rows(int64_t rows, const Fn& fn) {
+  switch ((rows + 3) / 4) {
+    case 4: fn(std::integral_constant<int, 16>{}); break;
+    case 3: fn(std::integral_constant<int, 12>{}); break;
+    case 2: fn(std::integral_constant<int, 8>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
 
 // Chunk c of x (16 rows; MR of them computed, a multiple of 4) against one weight tile
 // whose B tiles are `wgroups`; the first `rows` rows are stored into out.
@@ -1175,23 +1191,16 @@ void amx_tile_rows(const uint8_t* wgroups, const TileData& tile, const AmxRows& 
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-#define PAGEDLLM_STORE(R) \
-  if constexpr (R < MR)   \
-    if (R < rows) _mm512_mask_storeu_ps(out + R * out_stride, mask, acc##R);
-  PAGEDLLM_EACH_ROW(PAGEDLLM_STORE)
-#undef PAGEDLLM_STORE
+  PAGEDLLM_EACH_ROW(PAGEDLLM_STORE_ROW)
 }
 
 // Chunk c of x (its first `rows` rows) against one weight tile whose B tiles are `b`.
 template <int G, typename S>
 inline void amx_chunk(const uint8_t* b, const TileData& tile, const AmxRows& x, int64_t c,
                       float* out, int64_t ldo, int64_t lanes, int64_t rows) {
-  switch ((rows + 3) / 4) {
-    case 4: amx_tile_rows<G, 16, S>(b, tile, x, c, out, ldo, lanes, rows); break;
-    case 3: amx_tile_rows<G, 12, S>(b, tile, x, c, out, ldo, lanes, rows); break;
-    case 2: amx_tile_rows<G, 8, S>(b, tile, x, c, out, ldo, lanes, rows); break;
-    default: amx_tile_rows<G, 4, S>(b, tile, x, c, out, ldo, lanes, rows); break;
-  }
+  with_chunk_rows(rows, [&](auto mr) {
+    amx_tile_rows<G, decltype(mr)::value, S>(b, tile, x, c, out, ldo, lanes, rows);
+  });
 }
 
 template <Format F, typename S>
@@ -1358,22 +1367,15 @@ void amx_folded_tile_rows(const uint8_t* wfolded, const TileData& tile, const Am
 #undef PAGEDLLM_SUPER_STEPS
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-#define PAGEDLLM_STORE(R) \
-  if constexpr (R < MR)   \
-    if (R < rows) _mm512_mask_storeu_ps(out + R * out_stride, mask, acc##R);
-  PAGEDLLM_EACH_ROW(PAGEDLLM_STORE)
-#undef PAGEDLLM_STORE
+  PAGEDLLM_EACH_ROW(PAGEDLLM_STORE_ROW)
 }
 
 template <int kHiShift, int G>
 inline void amx_folded_chunk(const uint8_t* b, const TileData& tile, const AmxSuperRows& x,
                              int64_t c, float* out, int64_t ldo, int64_t lanes, int64_t rows) {
-  switch ((rows + 3) / 4) {
-    case 4: amx_folded_tile_rows<16, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows); break;
-    case 3: amx_folded_tile_rows<12, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows); break;
-    case 2: amx_folded_tile_rows<8, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows); break;
-    default: amx_folded_tile_rows<4, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows); break;
-  }
+  with_chunk_rows(rows, [&](auto mr) {
+    amx_folded_tile_rows<decltype(mr)::value, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows);
+  });
 }
 
 // x W^T [M, N] into out (rows ldo floats apart). With `gated` (a gate_up weight: gate rows
