@@ -187,7 +187,7 @@ def test_packed_linears_match_int8_recipe_and_are_batch_invariant(n, k):
             torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("n,k", [(64, 64), (96, 96), (192, 512)])
+@pytest.mark.parametrize("n,k", [(64, 64), (96, 96), (192, 512), (64, 1280)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_fused_gate_up_is_the_gated_act_of_the_linear(n, k, gelu):
     """gated_tiled_linear (a gate_up weight and the gated activation at once, without the
@@ -218,10 +218,10 @@ def amx_switch():
     ops().set_amx_enabled(was)
 
 
-@pytest.mark.parametrize("n,k", [(40, 64), (37, 96), (70, 1024)])
+@pytest.mark.parametrize("n,k", [(40, 64), (37, 96), (70, 1024), (40, 1280)])
 def test_amx_and_vnni_give_the_same_bits(n, k, amx_switch):
     # (70, 1024): the Q4_K weight too, the folded recipe on AMX (4 super blocks: both
-    # halves of its software pipeline)
+    # halves of its software pipeline, two slices of K); (40, 1280): slices of 2, 2 and 1
     """Batches take AMX tiles on CPUs that have them, few rows VNNI; a row's result must
     not depend on which (every batch size from 1 to 40 rows, partial 16-row chunks)."""
     from pagedllm_integrations.quant.packed_linear import kernel_weight, packed_matmul
@@ -239,6 +239,24 @@ def test_amx_and_vnni_give_the_same_bits(n, k, amx_switch):
         amx_switch(True)
         for m in (8, 9, 15, 16, 17, 31, 32, 40):
             assert torch.equal(packed_matmul(x[:m], tiled), want[:m]), (weight.kind, m)
+
+
+def test_amx_folded_rows_past_the_slicing_limit_keep_their_bits(amx_switch):
+    """The folded AMX kernel walks K in slices of 2 super blocks while x's int8 rows (M x K
+    bytes) fit in 1 MiB, K whole beyond that: both orders give every row its bits alone."""
+    from pagedllm_integrations.quant.packed_linear import kernel_weight, packed_matmul
+
+    if not amx_switch(True):
+        pytest.skip("this CPU (or Linux) gives no AMX int8 tiles")
+    n, k = 32, 2304  # 9 super blocks; 455 rows are 1 MiB
+    x = torch.randn(470, k, generator=torch.Generator().manual_seed(31))
+    for name in ("Q4_K", "Q6_K"):
+        tiled = kernel_weight(k_quant_weight(name, n, k, 5))
+        amx_switch(False)
+        want = torch.cat([packed_matmul(x[i : i + 1], tiled) for i in range(len(x))])
+        amx_switch(True)
+        for m in (40, 455, 470):
+            assert torch.equal(packed_matmul(x[:m], tiled), want[:m]), (name, m)
 
 
 @pytest.mark.parametrize("n,k", [(40, 64), (37, 96)])

@@ -346,15 +346,18 @@ inline void row_group_factors(const float* d, const int32_t* xs, int64_t k, int3
   }
 }
 
-// x [M, K] float32 -> quantized rows in buffers kept by the calling thread; with
-// `super_blocks` (a folded weight will meet them; K % 256 == 0) the folded recipe's too.
-QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false) {
+// x [M, K] float32 -> quantized rows in buffers kept by the calling thread: the first
+// recipe's blocks of 32 unless `groups` is false (only folded weights will meet them), and
+// with `super_blocks` (a folded weight will meet them; K % 256 == 0) the folded recipe's.
+QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false,
+                                   bool groups = true) {
   thread_local std::vector<int8_t> q, qk;
   thread_local std::vector<float> d, md16, md32, dk;
   thread_local std::vector<int32_t> xs, xs32;
   thread_local std::vector<int16_t> sk;
   const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock, halves = k / kHalf;
   super_blocks = super_blocks && k % kSuper == 0;
+  groups = groups || !super_blocks;
   if (super_blocks) {
     qk.resize(m * k);
     dk.resize(m * (k / kSuper));
@@ -364,19 +367,21 @@ QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false) {
   int8_t* qkp = super_blocks ? qk.data() : nullptr;
   float* dkp = super_blocks ? dk.data() : nullptr;
   int16_t* skp = super_blocks ? sk.data() : nullptr;
-  q.resize(m * k);
-  d.resize(m * blocks);
-  xs.resize(m * halves);
-  xs32.resize(m * blocks);
-  md16.resize(m * halves);
-  md32.resize(m * blocks);
+  if (groups) {
+    q.resize(m * k);
+    d.resize(m * blocks);
+    xs.resize(m * halves);
+    xs32.resize(m * blocks);
+    md16.resize(m * halves);
+    md32.resize(m * blocks);
+  }
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = q.data();
-  float* dp = d.data();
-  int32_t* sp = xs.data();
-  int32_t* s32 = xs32.data();
-  float* m16 = md16.data();
-  float* m32 = md32.data();
+  int8_t* qp = groups ? q.data() : nullptr;
+  float* dp = groups ? d.data() : nullptr;
+  int32_t* sp = groups ? xs.data() : nullptr;
+  int32_t* s32 = groups ? xs32.data() : nullptr;
+  float* m16 = groups ? md16.data() : nullptr;
+  float* m32 = groups ? md32.data() : nullptr;
   // 8 rows a chunk: the threads share a decode step's few rows too. The rows are written on
   // one core and read by every thread's tiles, and each write waits for the other core's
   // copy of the last call's rows to be invalidated; done by the calling thread alone, 64
@@ -384,6 +389,9 @@ QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false) {
   // down 56 against 32 (Zen 4). In chunks of 8 the two cores wait in parallel.
   parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      if (super_blocks)
+        quantize_row_super(xp + r * k, k, qkp + r * k, dkp + r * (k / kSuper), skp + r * halves);
+      if (!groups) continue;
 #if defined(PAGEDLLM_AVX512)
       quantize_row_avx512(xp + r * k, k, qp + r * k, dp + r * blocks, sp + r * halves);
 #elif defined(PAGEDLLM_AVX2)
@@ -393,8 +401,6 @@ QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false) {
 #endif
       row_group_factors(dp + r * blocks, sp + r * halves, k, s32 + r * blocks, m16 + r * halves,
                         m32 + r * blocks);
-      if (super_blocks)
-        quantize_row_super(xp + r * k, k, qkp + r * k, dkp + r * (k / kSuper), skp + r * halves);
     }
   });
   QuantizedRows rows{qp, dp, sp, s32, m16, m32, k};
@@ -1039,14 +1045,20 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
 // 16 weight rows: the same bits as the VNNI path for every element.
 //
 // Used from kAmxMinRows rows of x: below that the VNNI path streams the weights once and
-// is faster (measured on one 3072 x 576 u4 weight: at 4 rows 0.9x, at 8 and more 1.3-2.3x).
-constexpr int64_t kAmxMinRows = 8;
+// is faster. Measured on the Xeon with AMX (2026-12-06, one process alternating, ms per
+// call): a u4 (Q4_1) 3072 x 576 weight at 8 rows 0.064 on AMX against 0.047 on VNNI, at 12
+// 0.074 against 0.068, at 16 0.074 against 0.089; an i8 (Q8_0) 8192 x 2048 at 8 rows 0.70
+// against 0.57, at 12 0.73 against 0.76, at 16 0.71 against 0.96 (every shape tried alike).
+constexpr int64_t kAmxMinRows = 16;
 constexpr int64_t kTileBlock = 4;  // weight tiles whose B tiles are made and used together
-// The folded recipe from 16 rows: its B tiles cost twice the bytes to make, which a chunk
-// of fewer rows does not repay (8 rows of a Q4_K 16384 x 2048 gate_up: 1.31-1.72 ms on AMX
-// against 0.71-0.87 on VNNI; 16 rows: 1.32 against 1.46, and a Q6_K 2048 x 8192 down 0.81
-// against 1.16).
-constexpr int64_t kAmxFoldedMinRows = 16;
+// The folded recipe from 16 rows for u4 tiles (Q4_K) and from 12 for i6 tiles (Q2_K, Q3_K,
+// Q5_K, Q6_K): its B tiles cost twice the bytes to make, which a chunk of fewer rows does
+// not repay. Q4_K 16384 x 2048 gate_up: 8 rows 1.28 ms on AMX against 0.79 on VNNI, 12
+// rows 1.38 against 1.15, 16 rows 1.57 against 1.55, 24 rows 1.92 against 2.36; Q6_K
+// 2048 x 8192 down: 8 rows 0.69 against 0.72, 12 rows 0.69 against 0.95, 16 rows 0.90
+// against 1.60 (VNNI's i6 unpacking costs more per row than u4's).
+template <Format F>
+constexpr int64_t kAmxFoldedMinRows = F == Format::kU4 ? 16 : 12;
 
 // The activations of one call regrouped for AMX, per chunk c of 16 rows (rows past M zero):
 //   q   int8  [chunks, K/G, 16 rows, G]   an A tile is 16 G contiguous bytes
@@ -1205,7 +1217,7 @@ inline void amx_chunk(const uint8_t* b, const TileData& tile, const AmxRows& x, 
 
 template <Format F, typename S>
 constexpr int64_t amx_min_rows() {
-  return kFolded<F, S> ? kAmxFoldedMinRows : kAmxMinRows;
+  return kFolded<F, S> ? kAmxFoldedMinRows<F> : kAmxMinRows;
 }
 
 // ---- the folded recipe on AMX
@@ -1327,24 +1339,30 @@ void folded_i6_weight_groups(const uint8_t* bytes, const void* scales, int64_t k
   } while (0)
 
 // amx_tile_rows for the folded recipe: chunk c of x (MR rows computed) against one weight
-// tile (groups of G) whose folded B tiles are `wfolded`. P = lo + (hi << kHiShift) (3 for
-// u4 tiles, 7 for i6), then super_steps16 per row.
+// tile (groups of G) whose folded B tiles are `wfolded`, over super blocks [sb_begin,
+// sb_end) of K. P = lo + (hi << kHiShift) (3 for u4 tiles, 7 for i6), then super_steps16
+// per row. A slice that does not start at K's first super block continues the
+// accumulators that the previous slice left in `partial` (float [16 rows, 16 lanes]); one
+// that does not end at K's last leaves them there, else the rows are stored into out. A
+// float32 through memory is exact, so the slices give the bits of one pass over K.
 template <int MR, int kHiShift, int G>
 void amx_folded_tile_rows(const uint8_t* wfolded, const TileData& tile, const AmxSuperRows& x,
-                          int64_t c, float* out, int64_t out_stride, int64_t lanes, int64_t rows) {
+                          int64_t c, int64_t sb_begin, int64_t sb_end, float* partial,
+                          float* out, int64_t out_stride, int64_t lanes, int64_t rows) {
   const int64_t supers = x.supers, groups = supers * (kSuper / G);
   const int8_t* a = x.q + c * supers * 4 * 1024;
   const float* d = x.d + c * supers * kTile;
   const int16_t* row_sums = x.sums + c * supers * kTile * 16;
   alignas(64) int32_t sums[2][2][256];  // [super block parity][lo, hi][row * 16 + lane]
-#define PAGEDLLM_DECLARE(R) __m512 acc##R = _mm512_setzero_ps();
+#define PAGEDLLM_DECLARE(R) \
+  __m512 acc##R = sb_begin > 0 ? _mm512_load_ps(partial + R * 16) : _mm512_setzero_ps();
   PAGEDLLM_EACH_ROW(PAGEDLLM_DECLARE)
 #undef PAGEDLLM_DECLARE
   // Software pipeline as amx_tile_rows: super block s + 1 is multiplied while the float
   // steps of s run.
-  PAGEDLLM_SUPER_SUMS(a, wfolded, sums[0]);
-  for (int64_t sb = 0; sb < supers; ++sb) {
-    if (sb + 1 < supers)
+  PAGEDLLM_SUPER_SUMS(a + sb_begin * 4096, wfolded + sb_begin * 8192, sums[sb_begin & 1]);
+  for (int64_t sb = sb_begin; sb < sb_end; ++sb) {
+    if (sb + 1 < sb_end)
       PAGEDLLM_SUPER_SUMS(a + (sb + 1) * 4096, wfolded + (sb + 1) * 8192, sums[(sb + 1) & 1]);
     const int32_t* lo = sums[sb & 1][0];
     const int32_t* hi = sums[sb & 1][1];
@@ -1366,22 +1384,44 @@ void amx_folded_tile_rows(const uint8_t* wfolded, const TileData& tile, const Am
     PAGEDLLM_EACH_ROW(PAGEDLLM_SUPER_STEPS)
 #undef PAGEDLLM_SUPER_STEPS
   }
+  if (sb_end < supers) {
+#define PAGEDLLM_KEEP_ROW(R) \
+  if constexpr (R < MR) _mm512_store_ps(partial + R * 16, acc##R);
+    PAGEDLLM_EACH_ROW(PAGEDLLM_KEEP_ROW)
+#undef PAGEDLLM_KEEP_ROW
+    return;
+  }
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
   PAGEDLLM_EACH_ROW(PAGEDLLM_STORE_ROW)
 }
 
 template <int kHiShift, int G>
 inline void amx_folded_chunk(const uint8_t* b, const TileData& tile, const AmxSuperRows& x,
-                             int64_t c, float* out, int64_t ldo, int64_t lanes, int64_t rows) {
+                             int64_t c, int64_t sb_begin, int64_t sb_end, float* partial,
+                             float* out, int64_t ldo, int64_t lanes, int64_t rows) {
   with_chunk_rows(rows, [&](auto mr) {
-    amx_folded_tile_rows<decltype(mr)::value, kHiShift, G>(b, tile, x, c, out, ldo, lanes, rows);
+    amx_folded_tile_rows<decltype(mr)::value, kHiShift, G>(b, tile, x, c, sb_begin, sb_end,
+                                                           partial, out, ldo, lanes, rows);
   });
+}
+
+// Super blocks of K per slice of the folded kernel (below), for M rows of x over K values
+// into a gated or plain weight: in slices of 2 (8 KiB of B tiles a super block and weight
+// tile, twice that gated) a slice's B tiles stay in L1 while every chunk of x passes them,
+// so only the A tiles come from L2; over the whole of K (64 KiB of B tiles per weight tile
+// at K = 2,048) both came from L2. Once x's int8 rows (M x K bytes) outgrow about half of
+// L2, K whole is as fast or faster for a plain weight (its A tiles then come from L3 in
+// long runs rather than a slice's short ones). Measured on the Xeon with AMX, one process
+// alternating both orders (BENCHMARKS.md): 5-15% from 64 to 512 rows at K = 2,048-4,096.
+int64_t folded_slice_supers(int64_t m, int64_t k, bool gated) {
+  constexpr int64_t kSliceSupers = 2, kSliceMaxRowBytes = int64_t{1} << 20;
+  return gated || m * k <= kSliceMaxRowBytes ? kSliceSupers : k / kSuper;
 }
 
 // x W^T [M, N] into out (rows ldo floats apart). With `gated` (a gate_up weight: gate rows
 // 0..N/2-1, up rows N/2..N-1, N % 32 == 0), out [M, N/2] = act(x W_gate^T) * (x W_up^T)
 // instead: a thread takes gate tile t with up tile t + T/2, as gated_tiled_matmul's VNNI
-// path does, and their 16 x 16 outputs go through gated_rows from L1. Not writing gate_up's
+// path does, and their 16 x 16 outputs go through gated_rows. Not writing gate_up's
 // [M, N] to memory also means no such buffer per call: allocated per layer of every prompt
 // step (27 MiB a layer for a 512-token step of Gemma-3-1B), it fragmented the heap by
 // ~100 MiB more resident than the live data.
@@ -1395,65 +1435,105 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
   const char* sp = static_cast<const char*>(scales.data_ptr());
   const char* mp = mins.numel() > 0 ? static_cast<const char*>(mins.data_ptr()) : nullptr;
   const int64_t value_bytes = tile_values_bytes<S>(groups, k);
-  constexpr bool folded = kFolded<F, S>;
-  AmxRows x{};
-  AmxSuperRows xs{};
-  if constexpr (folded) xs = amx_super_rows(qx, m);
-  else x = amx_rows<G>(qx, m);
-  // A weight tile's B tiles, and the kernel of one chunk of x against them.
-  auto unpack = [&](int64_t t, uint8_t* dst) {
-    if constexpr (folded && F == Format::kU4)
-      folded_weight_groups(tp + t * tile_bytes, sp + t * value_bytes, k, dst);
-    else if constexpr (folded)
-      folded_i6_weight_groups<G>(tp + t * tile_bytes, sp + t * value_bytes, k, dst);
-    else weight_groups<F>(tp + t * tile_bytes, k, dst);
-  };
-  auto chunk = [&](const uint8_t* b, const TileData& td, int64_t c, float* o, int64_t o_stride,
-                   int64_t lanes, int64_t rows) {
-    if constexpr (folded)
-      amx_folded_chunk<F == Format::kU4 ? 3 : 7, G>(b, td, xs, c, o, o_stride, lanes, rows);
-    else amx_chunk<G, S>(b, td, x, c, o, o_stride, lanes, rows);
-  };
   const int64_t up_offset = gated ? num_tiles / 2 : 0;  // gate tile t's up tile: t + this
   const int64_t work_tiles = gated ? num_tiles / 2 : num_tiles;
   const int64_t tiles_per_item = gated ? 2 : 1;
+  const int64_t chunks = (m + kTile - 1) / kTile;
   auto tile_data = [&](int64_t t) {
     return TileData{tp + t * tile_bytes, sp + t * value_bytes,
                     mp != nullptr ? mp + t * value_bytes : nullptr};
   };
+  // 64-byte aligned scratch of at least `bytes` in a thread's own vector.
+  auto aligned = [](std::vector<uint8_t>& storage, int64_t bytes) {
+    if (static_cast<int64_t>(storage.size()) < bytes + 64) storage.resize(bytes + 64);
+    return reinterpret_cast<uint8_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
+  };
+
+  if constexpr (kFolded<F, S>) {
+    // Per weight tile (and its up tile): its folded B tiles over all of K (two per 64
+    // values), then K in slices, every chunk of x per slice, the accumulators of each
+    // chunk kept in `partial` between slices; gated, the gate and up outputs meet there.
+    constexpr int kHiShift = F == Format::kU4 ? 3 : 7;
+    const AmxSuperRows xs = amx_super_rows(qx, m);
+    const int64_t supers = xs.supers, slice = folded_slice_supers(m, k, gated);
+    const int64_t weight_bytes = k * kTile * 2, partial_floats = chunks * kTile * kTile;
+    parallel_for(0, work_tiles, 1, [&](int64_t begin, int64_t end) {
+      amx::configure_thread_square();
+      thread_local std::vector<uint8_t> b_storage, partial_storage;
+      uint8_t* b = aligned(b_storage, tiles_per_item * weight_bytes);
+      float* partial = reinterpret_cast<float*>(
+          aligned(partial_storage, tiles_per_item * partial_floats * sizeof(float)));
+      float* up_partial = partial + partial_floats;
+      for (int64_t t = begin; t < end; ++t) {
+        const TileData gate = tile_data(t), up = tile_data(t + up_offset);
+        const int64_t lanes = std::min(kTile, n - t * kTile);
+        if constexpr (F == Format::kU4) {
+          folded_weight_groups(gate.bytes, gate.scales, k, b);
+          if (gated) folded_weight_groups(up.bytes, up.scales, k, b + weight_bytes);
+        } else {
+          folded_i6_weight_groups<G>(gate.bytes, gate.scales, k, b);
+          if (gated) folded_i6_weight_groups<G>(up.bytes, up.scales, k, b + weight_bytes);
+        }
+        for (int64_t s0 = 0; s0 < supers; s0 += slice) {
+          const int64_t s1 = std::min(supers, s0 + slice);
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t rows = std::min(kTile, m - c * kTile);
+            float* p = partial + c * kTile * kTile;
+            if (!gated) {
+              amx_folded_chunk<kHiShift, G>(b, gate, xs, c, s0, s1, p,
+                                            out + c * kTile * ldo + t * kTile, ldo, lanes, rows);
+              continue;
+            }
+            // Gated: the last slice leaves the outputs in `partial` too (rows of 16).
+            float* pu = up_partial + c * kTile * kTile;
+            amx_folded_chunk<kHiShift, G>(b, gate, xs, c, s0, s1, p, p, kTile, kTile, rows);
+            amx_folded_chunk<kHiShift, G>(b + weight_bytes, up, xs, c, s0, s1, pu, pu, kTile,
+                                          kTile, rows);
+          }
+        }
+        if (gated)
+          for (int64_t c = 0; c < chunks; ++c)
+            gated_rows(partial + c * kTile * kTile, up_partial + c * kTile * kTile, kTile,
+                       out + c * kTile * ldo + t * kTile, ldo, std::min(kTile, m - c * kTile),
+                       kTile, gelu);
+      }
+      amx::release_thread();
+    });
+    return;
+  }
+
+  const AmxRows x = amx_rows<G>(qx, m);
   parallel_for(0, work_tiles, 1, [&](int64_t begin, int64_t end) {
-    if constexpr (folded) amx::configure_thread_square();
-    else amx::configure_thread(G);
+    amx::configure_thread(G);
     // B tiles of kTileBlock weight tiles (and as many up tiles) at a time (K * 16 bytes
     // each), 64-byte aligned: they stay in cache while every chunk of x passes them, and a
     // chunk's A tiles stay in cache across the block.
     thread_local std::vector<uint8_t> storage;
-    // (folded: two B tiles, lo and hi, per 64 values of K)
-    const int64_t weight_bytes = k * kTile * (folded ? 2 : 1), block_bytes = kTileBlock * weight_bytes;
-    if (static_cast<int64_t>(storage.size()) < tiles_per_item * block_bytes + 64)
-      storage.resize(tiles_per_item * block_bytes + 64);
-    uint8_t* wgroups = reinterpret_cast<uint8_t*>(
-        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
+    const int64_t weight_bytes = k * kTile, block_bytes = kTileBlock * weight_bytes;
+    uint8_t* wgroups = aligned(storage, tiles_per_item * block_bytes);
     uint8_t* up_groups = wgroups + block_bytes;
     alignas(64) float gate_out[kTile * kTile], up_out[kTile * kTile];
     for (int64_t t0 = begin; t0 < end; t0 += kTileBlock) {
       const int64_t t1 = std::min(end, t0 + kTileBlock);
       for (int64_t t = t0; t < t1; ++t) {
-        unpack(t, wgroups + (t - t0) * weight_bytes);
-        if (gated) unpack(t + up_offset, up_groups + (t - t0) * weight_bytes);
+        weight_groups<F>(tp + t * tile_bytes, k, wgroups + (t - t0) * weight_bytes);
+        if (gated)
+          weight_groups<F>(tp + (t + up_offset) * tile_bytes, k,
+                           up_groups + (t - t0) * weight_bytes);
       }
-      for (int64_t c = 0; c * kTile < m; ++c) {
+      for (int64_t c = 0; c < chunks; ++c) {
         const int64_t rows = std::min(kTile, m - c * kTile);
         for (int64_t t = t0; t < t1; ++t) {
           const uint8_t* b = wgroups + (t - t0) * weight_bytes;
           float* o = out + c * kTile * ldo + t * kTile;
           if (!gated) {
-            chunk(b, tile_data(t), c, o, ldo, std::min(kTile, n - t * kTile), rows);
+            amx_chunk<G, S>(b, tile_data(t), x, c, o, ldo, std::min(kTile, n - t * kTile), rows);
             continue;
           }
-          chunk(b, tile_data(t), c, gate_out, kTile, kTile, rows);
-          chunk(up_groups + (t - t0) * weight_bytes, tile_data(t + up_offset), c, up_out, kTile,
-                kTile, rows);
+          amx_chunk<G, S>(b, tile_data(t), x, c, gate_out, kTile, kTile, rows);
+          amx_chunk<G, S>(up_groups + (t - t0) * weight_bytes, tile_data(t + up_offset), x, c,
+                          up_out, kTile, kTile, rows);
           gated_rows(gate_out, up_out, kTile, o, ldo, rows, kTile, gelu);
         }
       }
@@ -1689,7 +1769,8 @@ Tensor packed_linear_impl(const Tensor& x_in, const Tensor& tiles, const Tensor&
   check_tiles(tiles, scales, mins, n, k, group, format);
   Tensor out = float_output(out_buffer, m, gated ? n / 2 : n, x.options());
   if (m == 0) return out;
-  const QuantizedRows qx = quantize_activations(x, takes_folded_recipe(format, scales));
+  const bool folded = takes_folded_recipe(format, scales);
+  const QuantizedRows qx = quantize_activations(x, folded, /*groups=*/!folded);
   float* op = out.data_ptr<float>();
   with_tile_format(format, group, scales, [&](auto f, auto g, auto s) {
     constexpr Format F = decltype(f)::value;
@@ -1863,7 +1944,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize_super_blocks_op(const Tensor& x_in) 
   Tensor x = x_in.to(at::kFloat).contiguous();
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kSuper == 0, "x must be [M, K], K a multiple of 256");
   const int64_t m = x.size(0), k = x.size(1);
-  const QuantizedRows q = quantize_activations(x, /*super_blocks=*/true);
+  const QuantizedRows q = quantize_activations(x, /*super_blocks=*/true, /*groups=*/false);
   Tensor qk = at::empty({m, k}, x.options().dtype(at::kChar));
   Tensor dk = at::empty({m, k / kSuper}, x.options());
   Tensor sk = at::empty({m, k / kHalf}, x.options().dtype(at::kShort));
@@ -1886,10 +1967,13 @@ void tiled_linear_parts(const Tensor& x_in, const std::vector<api::TiledPart>& p
     TORCH_CHECK(p.col >= 0 && p.col + p.rows <= ldo, "a part's columns lie outside the output");
   }
   if (m == 0 || parts.empty()) return;
-  bool super_blocks = false;
-  for (const api::TiledPart& p : parts)
-    super_blocks = super_blocks || takes_folded_recipe(tile_format(p.u4, *p.tiles), *p.scales);
-  const QuantizedRows qx = quantize_activations(x, super_blocks);
+  bool super_blocks = false, groups = false;
+  for (const api::TiledPart& p : parts) {
+    const bool folded = takes_folded_recipe(tile_format(p.u4, *p.tiles), *p.scales);
+    super_blocks = super_blocks || folded;
+    groups = groups || !folded;
+  }
+  const QuantizedRows qx = quantize_activations(x, super_blocks, groups);
   for (const api::TiledPart& p : parts) {
     with_tile_format(tile_format(p.u4, *p.tiles), p.group, *p.scales,
                      [&](auto f, auto g, auto s) {
