@@ -604,6 +604,18 @@ inline void min_multiplier_pairs(const void* mins, int64_t s, __m512i (&pairs)[8
   }
 }
 
+// The min multipliers of super block s for groups of 32 against a row's 32-value sums (the
+// AMX kernel's AmxSuperRows): 4 vectors, vector p, lane l holding (mm[l, 8s + 2p],
+// mm[l, 8s + 2p + 1]); half the vpdpwssd of the 16-value sums' 8 pairs, the same integer.
+inline void min_multiplier_pairs32(const void* mins, int64_t s, __m512i (&pairs)[4]) {
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  for (int p = 0; p < 4; ++p) {
+    const __m512i even = group_multipliers16(mins, 8 * s + 2 * p);
+    const __m512i odd = group_multipliers16(mins, 8 * s + 2 * p + 1);
+    pairs[p] = _mm512_or_si512(_mm512_and_si512(even, low16), _mm512_slli_epi32(odd, 16));
+  }
+}
+
 // acc + a . b over int16 pairs (exact int32).
 inline __m512i dot_i16_pairs(__m512i acc, __m512i a, __m512i b) {
 #ifdef __AVX512VNNI__
@@ -614,15 +626,17 @@ inline __m512i dot_i16_pairs(__m512i acc, __m512i a, __m512i b) {
 }
 
 // A super block's float steps for one row of x: P (the folded integer sums of 16 output
-// rows), then with mins (min_pairs not null) Q; `sums` the row's 16 sums of qk in this
-// super block, dk its scale.
+// rows), then with mins (min_pairs not null) Q; `sums` the row's 2 x kPairs sums of qk in
+// this super block (16 of 16 values; or 8 of 32 against min_multiplier_pairs32), dk its
+// scale.
+template <int kPairs = 8>
 inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf, const __m512i* min_pairs,
                             __m512 mf, float dk, const int16_t* sums) {
   const __m512 d = _mm512_set1_ps(dk);
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_mul_ps(sf, d), acc);
   if (min_pairs == nullptr) return acc;
   __m512i q = _mm512_setzero_si512();
-  for (int p = 0; p < 8; ++p) {
+  for (int p = 0; p < kPairs; ++p) {
     int32_t pair;
     std::memcpy(&pair, sums + 2 * p, 4);
     q = dot_i16_pairs(q, min_pairs[p], _mm512_set1_epi32(pair));
@@ -1225,7 +1239,9 @@ constexpr int64_t amx_min_rows() {
 // zero):
 //   q     int8  [chunks, K/64, 16 rows, 64]     an A tile per 64 values of K
 //   d     float [chunks, K/256, 16 rows]        dk
-//   sums  int16 [chunks, K/256, 16 rows, 16]    sk
+//   sums  int16 [chunks, K/256, 16 rows, 256/G] each group's sum of qk (G = 16: sk as it
+//                                              is; G = 32: sk's pairs added, so that the
+//                                              mins take half the vpdpwssd)
 struct AmxSuperRows {
   const int8_t* q;
   const float* d;
@@ -1233,21 +1249,26 @@ struct AmxSuperRows {
   int64_t supers;
 };
 
+template <int G>
 AmxSuperRows amx_super_rows(const QuantizedRows& x, int64_t m) {
+  constexpr int64_t kSums = kSuper / G;  // per row and super block
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
   thread_local std::vector<int16_t> sums;
   const int64_t k = x.k, steps = k / 64, supers = k / kSuper, chunks = (m + kTile - 1) / kTile;
   q.assign(chunks * steps * kTile * 64, 0);
   d.assign(chunks * supers * kTile, 0.f);
-  sums.assign(chunks * supers * kTile * 16, 0);
+  sums.assign(chunks * supers * kTile * kSums, 0);
   for (int64_t row = 0; row < m; ++row) {
     const int64_t c = row / kTile, r = row % kTile;
     for (int64_t step = 0; step < steps; ++step)
       std::memcpy(&q[((c * steps + step) * kTile + r) * 64], x.qk + row * k + step * 64, 64);
     for (int64_t sb = 0; sb < supers; ++sb) {
       d[(c * supers + sb) * kTile + r] = x.super_scale(row, sb);
-      std::memcpy(&sums[((c * supers + sb) * kTile + r) * 16], x.super_sums(row, sb), 32);
+      const int16_t* sk = x.super_sums(row, sb);
+      int16_t* dst = &sums[((c * supers + sb) * kTile + r) * kSums];
+      for (int64_t g = 0; g < kSums; ++g)  // |a sum of 32 int8| <= 4,064: int16 holds it
+        dst[g] = G == 16 ? sk[g] : static_cast<int16_t>(sk[2 * g] + sk[2 * g + 1]);
     }
   }
   return {q.data(), d.data(), sums.data(), supers};
@@ -1352,7 +1373,9 @@ void amx_folded_tile_rows(const uint8_t* wfolded, const TileData& tile, const Am
   const int64_t supers = x.supers, groups = supers * (kSuper / G);
   const int8_t* a = x.q + c * supers * 4 * 1024;
   const float* d = x.d + c * supers * kTile;
-  const int16_t* row_sums = x.sums + c * supers * kTile * 16;
+  constexpr int64_t kSums = kSuper / G;  // a row's group sums per super block
+  constexpr int kPairs = kSums / 2;
+  const int16_t* row_sums = x.sums + c * supers * kTile * kSums;
   alignas(64) int32_t sums[2][2][256];  // [super block parity][lo, hi][row * 16 + lane]
 #define PAGEDLLM_DECLARE(R) \
   __m512 acc##R = sb_begin > 0 ? _mm512_load_ps(partial + R * 16) : _mm512_setzero_ps();
@@ -1366,21 +1389,22 @@ void amx_folded_tile_rows(const uint8_t* wfolded, const TileData& tile, const Am
       PAGEDLLM_SUPER_SUMS(a + (sb + 1) * 4096, wfolded + (sb + 1) * 8192, sums[(sb + 1) & 1]);
     const int32_t* lo = sums[sb & 1][0];
     const int32_t* hi = sums[sb & 1][1];
-    __m512i min_pairs[8];
+    __m512i min_pairs[kPairs];
     __m512 mf = _mm512_setzero_ps();
     if (tile.mins != nullptr) {
-      min_multiplier_pairs<G>(tile.mins, sb, min_pairs);
+      if constexpr (G == 32) min_multiplier_pairs32(tile.mins, sb, min_pairs);
+      else min_multiplier_pairs<G>(tile.mins, sb, min_pairs);
       mf = super_factors16(tile.mins, groups, sb);
     }
     const __m512i* pairs = tile.mins != nullptr ? min_pairs : nullptr;
     const __m512 sf = super_factors16(tile.scales, groups, sb);
 #define PAGEDLLM_SUPER_STEPS(R)                                                                 \
   if constexpr (R < MR)                                                                         \
-    acc##R = super_steps16(                                                                     \
+    acc##R = super_steps16<kPairs>(                                                             \
         acc##R,                                                                                 \
         _mm512_add_epi32(_mm512_load_si512(lo + R * 16),                                        \
                          _mm512_slli_epi32(_mm512_load_si512(hi + R * 16), kHiShift)),          \
-        sf, pairs, mf, d[sb * kTile + R], row_sums + (sb * kTile + R) * 16);
+        sf, pairs, mf, d[sb * kTile + R], row_sums + (sb * kTile + R) * kSums);
     PAGEDLLM_EACH_ROW(PAGEDLLM_SUPER_STEPS)
 #undef PAGEDLLM_SUPER_STEPS
   }
@@ -1455,7 +1479,7 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
     // values), then K in slices, every chunk of x per slice, the accumulators of each
     // chunk kept in `partial` between slices; gated, the gate and up outputs meet there.
     constexpr int kHiShift = F == Format::kU4 ? 3 : 7;
-    const AmxSuperRows xs = amx_super_rows(qx, m);
+    const AmxSuperRows xs = amx_super_rows<G>(qx, m);
     const int64_t supers = xs.supers, slice = folded_slice_supers(m, k, gated);
     const int64_t weight_bytes = k * kTile * 2, partial_floats = chunks * kTile * kTile;
     parallel_for(0, work_tiles, 1, [&](int64_t begin, int64_t end) {
