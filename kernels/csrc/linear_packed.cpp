@@ -136,15 +136,18 @@ struct QuantizedRows {
   const int8_t* qk = nullptr;   // [M, K]
   const float* dk = nullptr;    // [M, K/256]
   const int16_t* sk = nullptr;  // [M, K/16] sums of qk over each 16 values
+  const int16_t* sk32 = nullptr;  // [M, K/32] sums of qk over each 32 (|sum| <= 4,064)
 
   float super_scale(int64_t row, int64_t s) const { return dk[row * (k / kSuper) + s]; }
-  // The row's 16 sums of qk (each over 16 values) in super block s.
-  const int16_t* super_sums(int64_t row, int64_t s) const { return sk + row * (k / kHalf) + 16 * s; }
+  // The row's sums of qk over each group of G values in super block s (256 / G of them).
+  template <int G>
+  const int16_t* super_sums(int64_t row, int64_t s) const {
+    return G == 16 ? sk + row * (k / 16) + 16 * s : sk32 + row * (k / 32) + 8 * s;
+  }
   // The sum of qk over group g of G values.
   template <int G>
   int32_t super_group_sum(int64_t row, int64_t g) const {
-    const int16_t* h = sk + row * (k / kHalf) + g * (G / kHalf);
-    return G == 16 ? h[0] : h[0] + h[1];
+    return G == 16 ? sk[row * (k / 16) + g] : sk32[row * (k / 32) + g];
   }
 };
 
@@ -354,7 +357,7 @@ QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false,
   thread_local std::vector<int8_t> q, qk;
   thread_local std::vector<float> d, md16, md32, dk;
   thread_local std::vector<int32_t> xs, xs32;
-  thread_local std::vector<int16_t> sk;
+  thread_local std::vector<int16_t> sk, sk32;
   const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock, halves = k / kHalf;
   super_blocks = super_blocks && k % kSuper == 0;
   groups = groups || !super_blocks;
@@ -362,11 +365,13 @@ QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false,
     qk.resize(m * k);
     dk.resize(m * (k / kSuper));
     sk.resize(m * halves);
+    sk32.resize(m * blocks);
   }
   // Pointers, not the thread_local vectors: the rows are quantized on the pool's threads.
   int8_t* qkp = super_blocks ? qk.data() : nullptr;
   float* dkp = super_blocks ? dk.data() : nullptr;
   int16_t* skp = super_blocks ? sk.data() : nullptr;
+  int16_t* sk32p = super_blocks ? sk32.data() : nullptr;
   if (groups) {
     q.resize(m * k);
     d.resize(m * blocks);
@@ -389,8 +394,12 @@ QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false,
   // down 56 against 32 (Zen 4). In chunks of 8 the two cores wait in parallel.
   parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      if (super_blocks)
+      if (super_blocks) {
         quantize_row_super(xp + r * k, k, qkp + r * k, dkp + r * (k / kSuper), skp + r * halves);
+        for (int64_t b = 0; b < blocks; ++b)
+          sk32p[r * blocks + b] =
+              static_cast<int16_t>(skp[r * halves + 2 * b] + skp[r * halves + 2 * b + 1]);
+      }
       if (!groups) continue;
 #if defined(PAGEDLLM_AVX512)
       quantize_row_avx512(xp + r * k, k, qp + r * k, dp + r * blocks, sp + r * halves);
@@ -407,6 +416,7 @@ QuantizedRows quantize_activations(const Tensor& x, bool super_blocks = false,
   rows.qk = qkp;
   rows.dk = dkp;
   rows.sk = skp;
+  rows.sk32 = sk32p;
   return rows;
 }
 
@@ -604,8 +614,8 @@ inline void min_multiplier_pairs(const void* mins, int64_t s, __m512i (&pairs)[8
   }
 }
 
-// The min multipliers of super block s for groups of 32 against a row's 32-value sums (the
-// AMX kernel's AmxSuperRows): 4 vectors, vector p, lane l holding (mm[l, 8s + 2p],
+// The min multipliers of super block s for groups of 32 against a row's 32-value sums
+// (QuantizedRows::sk32): 4 vectors, vector p, lane l holding (mm[l, 8s + 2p],
 // mm[l, 8s + 2p + 1]); half the vpdpwssd of the 16-value sums' 8 pairs, the same integer.
 inline void min_multiplier_pairs32(const void* mins, int64_t s, __m512i (&pairs)[4]) {
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
@@ -749,17 +759,20 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
         folded_sums[r] = _mm512_add_epi32(folded_sums[r], _mm512_mullo_epi32(exact[r], sm));
       if (g % (kSuper / G) == kSuper / G - 1) {  // the super block's last group
         const int64_t sb = g / (kSuper / G);
-        __m512i min_pairs[8];
+        constexpr int kPairs = kSuper / G / 2;
+        __m512i min_pairs[kPairs];
         __m512 mf = _mm512_setzero_ps();
         if (mins != nullptr) {
-          min_multiplier_pairs<G>(mins, sb, min_pairs);
+          if constexpr (G == 32) min_multiplier_pairs32(mins, sb, min_pairs);
+          else min_multiplier_pairs<G>(mins, sb, min_pairs);
           mf = super_factors16(mins, groups, sb);
         }
         const __m512 sf = super_factors16(scales, groups, sb);
         for (int r = 0; r < MR; ++r) {
           const int64_t row = r0 + r;
-          acc[r] = super_steps16(acc[r], folded_sums[r], sf, mins != nullptr ? min_pairs : nullptr,
-                                 mf, x.super_scale(row, sb), x.super_sums(row, sb));
+          acc[r] = super_steps16<kPairs>(acc[r], folded_sums[r], sf,
+                                         mins != nullptr ? min_pairs : nullptr, mf,
+                                         x.super_scale(row, sb), x.super_sums<G>(row, sb));
           folded_sums[r] = _mm512_setzero_si512();
         }
       }
@@ -962,7 +975,7 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded_sums[r]), _mm256_mul_ps(sf, d), acc[r]);
         folded_sums[r] = _mm256_setzero_si256();
         if (mins == nullptr) continue;
-        const int16_t* sums = x.super_sums(r0 + r, sb);
+        const int16_t* sums = x.super_sums<16>(r0 + r, sb);  // duplicated pairs for G = 32
         __m256i q = _mm256_setzero_si256();
         for (int p = 0; p < 8; ++p) {
           int32_t pair;
@@ -1239,9 +1252,7 @@ constexpr int64_t amx_min_rows() {
 // zero):
 //   q     int8  [chunks, K/64, 16 rows, 64]     an A tile per 64 values of K
 //   d     float [chunks, K/256, 16 rows]        dk
-//   sums  int16 [chunks, K/256, 16 rows, 256/G] each group's sum of qk (G = 16: sk as it
-//                                              is; G = 32: sk's pairs added, so that the
-//                                              mins take half the vpdpwssd)
+//   sums  int16 [chunks, K/256, 16 rows, 256/G] each group's sum of qk (sk, or sk32)
 struct AmxSuperRows {
   const int8_t* q;
   const float* d;
@@ -1265,10 +1276,8 @@ AmxSuperRows amx_super_rows(const QuantizedRows& x, int64_t m) {
       std::memcpy(&q[((c * steps + step) * kTile + r) * 64], x.qk + row * k + step * 64, 64);
     for (int64_t sb = 0; sb < supers; ++sb) {
       d[(c * supers + sb) * kTile + r] = x.super_scale(row, sb);
-      const int16_t* sk = x.super_sums(row, sb);
-      int16_t* dst = &sums[((c * supers + sb) * kTile + r) * kSums];
-      for (int64_t g = 0; g < kSums; ++g)  // |a sum of 32 int8| <= 4,064: int16 holds it
-        dst[g] = G == 16 ? sk[g] : static_cast<int16_t>(sk[2 * g] + sk[2 * g + 1]);
+      std::memcpy(&sums[((c * supers + sb) * kTile + r) * kSums], x.super_sums<G>(row, sb),
+                  kSums * sizeof(int16_t));
     }
   }
   return {q.data(), d.data(), sums.data(), supers};
