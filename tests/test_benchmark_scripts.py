@@ -98,3 +98,25 @@ def test_fair_admission_runs_both_cases_end_to_end(tmp_path):
     assert burst["chat_while_bulk_runs"]["status"] == 200
     assert burst["chat_while_bulk_runs"]["first_token_s"] is not None
     assert burst["all_kv_blocks_free_after_close"]
+
+
+# The standalone AMX programs BENCHMARKS.md cites (`g++ ... benchmarks/X.cpp`): they build
+# on any x86 compiler that knows the instructions, whatever this CPU has, so bit rot shows
+# here even where they cannot run.
+AMX_FLAGS = ["-mamx-tile", "-mamx-int8", "-mamx-bf16", "-mavx512f", "-mavx512bw",
+             "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"]  # fmt: skip
+
+
+@pytest.mark.parametrize("program", ["amx_group_floor", "amx_folded_loads", "amx_bf16_sums"])
+def test_amx_benchmark_programs_compile(program, tmp_path):
+    import platform
+    import shutil
+
+    if shutil.which("g++") is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs g++ for x86-64")
+    source = ROOT / "benchmarks" / f"{program}.cpp"
+    done = subprocess.run(
+        ["g++", "-O2", *AMX_FLAGS, str(source), "-o", str(tmp_path / program)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
