@@ -17,12 +17,12 @@
 //   /tmp/amx_loads [K chunks tiles]    (Linux 5.16+ on a CPU with AMX; default 2048 16 8)
 //
 // Measured on the 2-core Xeon with AMX of BENCHMARKS.md (one thread, ns per block and
-// super block; 8 TDPBSSD each):
-//   whole, K = 2,048, 16-32 chunks, 8 tiles     92-98
-//   slices of 2 (and of 1 or 3)                 61-78
-//   l1                                           56
-// The kernel's whole loop adds the float steps of each block (~40 ns) and the making of
-// the B tiles; with slices the whole-model gain was 2-12% (BENCHMARKS.md).
+// super block, 8 TDPBSSD each; three runs, 16 and 32 chunks alike):
+//   whole, K = 2,048, 8 weight tiles     80-83
+//   slices of 2                          55-57
+//   all in L1                            47-48
+// The kernel's whole loop adds the float steps of each block and the making of the B
+// tiles; with slices the whole-model gain was 2-12% (BENCHMARKS.md).
 #include "amx_bench.h"
 
 #include <chrono>
