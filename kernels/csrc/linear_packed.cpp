@@ -600,28 +600,17 @@ inline __m512 super_factors16(const void* base, int64_t groups, int64_t s) {
   return _mm512_loadu_ps(factor + s * kTile);
 }
 
-// The min multipliers of super block s (groups of G) as 8 vectors of int16 pairs, for
-// vpdpwssd against a row's 8 pairs of 16-value sums: vector p, lane l holds the
-// multipliers of sums 2p and 2p + 1, (mm[l, 16s + 2p], mm[l, 16s + 2p + 1]) for G = 16,
-// and (mm[l, 8s + p], mm[l, 8s + p]) for G = 32 (the two halves of one group).
+// The min multipliers of super block s (groups of G) as 128 / G vectors of int16 pairs,
+// for vpdpwssd against a row's group sums in pairs (QuantizedRows::super_sums<G>): vector
+// p, lane l holds the multipliers of groups 2p and 2p + 1 of the super block,
+// (mm[l, n s + 2p], mm[l, n s + 2p + 1]) with n = 256 / G groups a super block.
 template <int G>
-inline void min_multiplier_pairs(const void* mins, int64_t s, __m512i (&pairs)[8]) {
+inline void min_multiplier_pairs(const void* mins, int64_t s, __m512i (&pairs)[kSuper / G / 2]) {
+  constexpr int64_t n = kSuper / G;
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
-  for (int p = 0; p < 8; ++p) {
-    const __m512i even = group_multipliers16(mins, G == 16 ? 16 * s + 2 * p : 8 * s + p);
-    const __m512i odd = G == 16 ? group_multipliers16(mins, 16 * s + 2 * p + 1) : even;
-    pairs[p] = _mm512_or_si512(_mm512_and_si512(even, low16), _mm512_slli_epi32(odd, 16));
-  }
-}
-
-// The min multipliers of super block s for groups of 32 against a row's 32-value sums
-// (QuantizedRows::sk32): 4 vectors, vector p, lane l holding (mm[l, 8s + 2p],
-// mm[l, 8s + 2p + 1]); half the vpdpwssd of the 16-value sums' 8 pairs, the same integer.
-inline void min_multiplier_pairs32(const void* mins, int64_t s, __m512i (&pairs)[4]) {
-  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
-  for (int p = 0; p < 4; ++p) {
-    const __m512i even = group_multipliers16(mins, 8 * s + 2 * p);
-    const __m512i odd = group_multipliers16(mins, 8 * s + 2 * p + 1);
+  for (int p = 0; p < n / 2; ++p) {
+    const __m512i even = group_multipliers16(mins, n * s + 2 * p);
+    const __m512i odd = group_multipliers16(mins, n * s + 2 * p + 1);
     pairs[p] = _mm512_or_si512(_mm512_and_si512(even, low16), _mm512_slli_epi32(odd, 16));
   }
 }
@@ -637,9 +626,9 @@ inline __m512i dot_i16_pairs(__m512i acc, __m512i a, __m512i b) {
 
 // A super block's float steps for one row of x: P (the folded integer sums of 16 output
 // rows), then with mins (min_pairs not null) Q; `sums` the row's 2 x kPairs sums of qk in
-// this super block (16 of 16 values; or 8 of 32 against min_multiplier_pairs32), dk its
+// this super block (16 of 16 values, or 8 of 32; see min_multiplier_pairs), dk its
 // scale.
-template <int kPairs = 8>
+template <int kPairs>
 inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf, const __m512i* min_pairs,
                             __m512 mf, float dk, const int16_t* sums) {
   const __m512 d = _mm512_set1_ps(dk);
@@ -763,8 +752,7 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
         __m512i min_pairs[kPairs];
         __m512 mf = _mm512_setzero_ps();
         if (mins != nullptr) {
-          if constexpr (G == 32) min_multiplier_pairs32(mins, sb, min_pairs);
-          else min_multiplier_pairs<G>(mins, sb, min_pairs);
+          min_multiplier_pairs<G>(mins, sb, min_pairs);
           mf = super_factors16(mins, groups, sb);
         }
         const __m512 sf = super_factors16(scales, groups, sb);
@@ -962,7 +950,7 @@ inline void tile_rows_half(const TileData& tile, const QuantizedRows& x, int64_t
     if constexpr (folded) {
       if (g % (kSuper / G) != kSuper / G - 1) continue;
       const int64_t sb = g / (kSuper / G);
-      __m256i min_pairs[8];  // as min_multiplier_pairs, this half's 8 lanes
+      __m256i min_pairs[8];  // this half's 8 lanes, against 16-value sums (G = 32: repeated)
       for (int p = 0; p < 8 && mins != nullptr; ++p) {
         const __m256i even = group_multipliers8(mins, G == 16 ? 16 * sb + 2 * p : 8 * sb + p, half);
         const __m256i odd = G == 16 ? group_multipliers8(mins, 16 * sb + 2 * p + 1, half) : even;
@@ -1401,8 +1389,7 @@ void amx_folded_tile_rows(const uint8_t* wfolded, const TileData& tile, const Am
     __m512i min_pairs[kPairs];
     __m512 mf = _mm512_setzero_ps();
     if (tile.mins != nullptr) {
-      if constexpr (G == 32) min_multiplier_pairs32(tile.mins, sb, min_pairs);
-      else min_multiplier_pairs<G>(tile.mins, sb, min_pairs);
+      min_multiplier_pairs<G>(tile.mins, sb, min_pairs);
       mf = super_factors16(tile.mins, groups, sb);
     }
     const __m512i* pairs = tile.mins != nullptr ? min_pairs : nullptr;
@@ -1491,6 +1478,10 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
     const AmxSuperRows xs = amx_super_rows<G>(qx, m);
     const int64_t supers = xs.supers, slice = folded_slice_supers(m, k, gated);
     const int64_t weight_bytes = k * kTile * 2, partial_floats = chunks * kTile * kTile;
+    auto fold = [&](const TileData& tile, uint8_t* dst) {  // a weight tile's folded B tiles
+      if constexpr (F == Format::kU4) folded_weight_groups(tile.bytes, tile.scales, k, dst);
+      else folded_i6_weight_groups<G>(tile.bytes, tile.scales, k, dst);
+    };
     parallel_for(0, work_tiles, 1, [&](int64_t begin, int64_t end) {
       amx::configure_thread_square();
       thread_local std::vector<uint8_t> b_storage, partial_storage;
@@ -1501,13 +1492,8 @@ void amx_matmul(const QuantizedRows& qx, int64_t m, const Tensor& tiles, const T
       for (int64_t t = begin; t < end; ++t) {
         const TileData gate = tile_data(t), up = tile_data(t + up_offset);
         const int64_t lanes = std::min(kTile, n - t * kTile);
-        if constexpr (F == Format::kU4) {
-          folded_weight_groups(gate.bytes, gate.scales, k, b);
-          if (gated) folded_weight_groups(up.bytes, up.scales, k, b + weight_bytes);
-        } else {
-          folded_i6_weight_groups<G>(gate.bytes, gate.scales, k, b);
-          if (gated) folded_i6_weight_groups<G>(up.bytes, up.scales, k, b + weight_bytes);
-        }
+        fold(gate, b);
+        if (gated) fold(up, b + weight_bytes);
         for (int64_t s0 = 0; s0 < supers; s0 += slice) {
           const int64_t s1 = std::min(supers, s0 + slice);
           for (int64_t c = 0; c < chunks; ++c) {
