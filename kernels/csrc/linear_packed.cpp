@@ -600,17 +600,18 @@ inline __m512 super_factors16(const void* base, int64_t groups, int64_t s) {
   return _mm512_loadu_ps(factor + s * kTile);
 }
 
-// The min multipliers of super block s (groups of G) as 128 / G vectors of int16 pairs,
-// for vpdpwssd against a row's group sums in pairs (QuantizedRows::super_sums<G>): vector
-// p, lane l holds the multipliers of groups 2p and 2p + 1 of the super block,
-// (mm[l, n s + 2p], mm[l, n s + 2p + 1]) with n = 256 / G groups a super block.
+// The int8 group multipliers of super block s (the mins', or the scales'; groups of G) as
+// 128 / G vectors of int16 pairs, for vpdpwssd against a row's group sums in pairs
+// (QuantizedRows::super_sums<G>, pair_dot): vector p, lane l holds the multipliers of
+// groups 2p and 2p + 1 of the super block, (m[l, n s + 2p], m[l, n s + 2p + 1]) with
+// n = 256 / G groups a super block.
 template <int G>
-inline void min_multiplier_pairs(const void* mins, int64_t s, __m512i (&pairs)[kSuper / G / 2]) {
+inline void multiplier_pairs(const void* multipliers, int64_t s, __m512i (&pairs)[kSuper / G / 2]) {
   constexpr int64_t n = kSuper / G;
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   for (int p = 0; p < n / 2; ++p) {
-    const __m512i even = group_multipliers16(mins, n * s + 2 * p);
-    const __m512i odd = group_multipliers16(mins, n * s + 2 * p + 1);
+    const __m512i even = group_multipliers16(multipliers, n * s + 2 * p);
+    const __m512i odd = group_multipliers16(multipliers, n * s + 2 * p + 1);
     pairs[p] = _mm512_or_si512(_mm512_and_si512(even, low16), _mm512_slli_epi32(odd, 16));
   }
 }
@@ -624,9 +625,22 @@ inline __m512i dot_i16_pairs(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
+// sum over the super block's groups g of m[l, g] * sums[g], lane l (exact int32): the
+// multiplier pairs against a row's group sums (super_sums<G>).
+template <int kPairs>
+inline __m512i pair_dot(const __m512i* pairs, const int16_t* sums) {
+  __m512i dot = _mm512_setzero_si512();
+  for (int p = 0; p < kPairs; ++p) {
+    int32_t pair;
+    std::memcpy(&pair, sums + 2 * p, 4);
+    dot = dot_i16_pairs(dot, pairs[p], _mm512_set1_epi32(pair));
+  }
+  return dot;
+}
+
 // A super block's float steps for one row of x: P (the folded integer sums of 16 output
 // rows), then with mins (min_pairs not null) Q; `sums` the row's 2 x kPairs sums of qk in
-// this super block (16 of 16 values, or 8 of 32; see min_multiplier_pairs), dk its
+// this super block (16 of 16 values, or 8 of 32; see multiplier_pairs), dk its
 // scale.
 template <int kPairs>
 inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf, const __m512i* min_pairs,
@@ -634,12 +648,7 @@ inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf, const __m512i
   const __m512 d = _mm512_set1_ps(dk);
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_mul_ps(sf, d), acc);
   if (min_pairs == nullptr) return acc;
-  __m512i q = _mm512_setzero_si512();
-  for (int p = 0; p < kPairs; ++p) {
-    int32_t pair;
-    std::memcpy(&pair, sums + 2 * p, 4);
-    q = dot_i16_pairs(q, min_pairs[p], _mm512_set1_epi32(pair));
-  }
+  const __m512i q = pair_dot<kPairs>(min_pairs, sums);
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(mf, d), acc);
 }
 #endif
@@ -737,22 +746,35 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       if constexpr (kChains >= 2) exact[r] = _mm512_add_epi32(exact[r], isum[r][1]);
       if constexpr (kChains == 4)
         exact[r] = _mm512_add_epi32(exact[r], _mm512_add_epi32(isum[r][2], isum[r][3]));
-      if constexpr (byte_offset<F>() != 0) {
-        const int32_t sum = folded ? x.super_group_sum<G>(r0 + r, g) : x.sum<G>(r0 + r, g);
-        exact[r] = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(byte_offset<F>() * sum));
-      }
+      if constexpr (byte_offset<F>() != 0 && !folded)
+        exact[r] = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(byte_offset<F>() * x.sum<G>(r0 + r, g)));
     }
     if constexpr (folded) {
+      // The weights' byte offset o (bytes hold q + o) is taken off once a super block, not
+      // once a group: P = sum_g sm_g (dot_g - o s_g) = sum_g sm_g dot_g - o sum_g sm_g s_g,
+      // the last sum by multiplier pairs (pair_dot), as the mins' is. The same integer P,
+      // so the same bits (int32 arithmetic wraps modulo 2^32 and P itself fits). Per group
+      // and row that saves a scalar load, multiply, broadcast and vpsubd: a quarter of the
+      // vector work of a 16-value group of 4 rows (i6 and unpacked i6 tiles: Q6_K, Q3_K).
       const __m512i sm = group_multipliers16(scales, g);
       for (int r = 0; r < MR; ++r)
         folded_sums[r] = _mm512_add_epi32(folded_sums[r], _mm512_mullo_epi32(exact[r], sm));
       if (g % (kSuper / G) == kSuper / G - 1) {  // the super block's last group
         const int64_t sb = g / (kSuper / G);
         constexpr int kPairs = kSuper / G / 2;
+        if constexpr (byte_offset<F>() != 0) {
+          __m512i scale_pairs[kPairs];
+          multiplier_pairs<G>(scales, sb, scale_pairs);
+          const __m512i offset = _mm512_set1_epi32(byte_offset<F>());
+          for (int r = 0; r < MR; ++r) {
+            const __m512i offsets = pair_dot<kPairs>(scale_pairs, x.super_sums<G>(r0 + r, sb));
+            folded_sums[r] = _mm512_sub_epi32(folded_sums[r], _mm512_mullo_epi32(offsets, offset));
+          }
+        }
         __m512i min_pairs[kPairs];
         __m512 mf = _mm512_setzero_ps();
         if (mins != nullptr) {
-          min_multiplier_pairs<G>(mins, sb, min_pairs);
+          multiplier_pairs<G>(mins, sb, min_pairs);
           mf = super_factors16(mins, groups, sb);
         }
         const __m512 sf = super_factors16(scales, groups, sb);
@@ -1389,7 +1411,7 @@ void amx_folded_tile_rows(const uint8_t* wfolded, const TileData& tile, const Am
     __m512i min_pairs[kPairs];
     __m512 mf = _mm512_setzero_ps();
     if (tile.mins != nullptr) {
-      min_multiplier_pairs<G>(tile.mins, sb, min_pairs);
+      multiplier_pairs<G>(tile.mins, sb, min_pairs);
       mf = super_factors16(tile.mins, groups, sb);
     }
     const __m512i* pairs = tile.mins != nullptr ? min_pairs : nullptr;
