@@ -303,8 +303,8 @@ constexpr int64_t term(int64_t i) {
 
 // The body of a key loop is a lambda; GCC does not always inline one that is called from
 // several places, and then keeps the caller's accumulators in memory (a verifying step's
-// AVX2 attention ran 40% slower). Each body given to for_each_key is forced inline.
-#define PAGEDLLM_INLINE __attribute__((always_inline))
+// AVX2 attention ran 40% slower). Each body given to for_each_key is forced inline
+// (PAGEDLLM_INLINE, common.h).
 
 // fn(key) for the keys lo .. hi - 1 in the order an output adds them: in order, or paired
 // (each pair of positions 2j, 2j + 1 from its odd one; a pair's invisible member skipped,

@@ -186,6 +186,11 @@ inline __m256 load8_float(const at::Half* p) {
 }
 #endif
 
+// Forces GCC to inline a function called from a kernel's inner loop. A call there costs
+// more than the call: every vector register is caller-saved, so the caller keeps its
+// accumulators in memory across it, loads and stores in every iteration.
+#define PAGEDLLM_INLINE __attribute__((always_inline))
+
 // Index checks at the ops' boundary. The engine computes every slot, position and block
 // table entry; a fault of its own there must stop the op with an error, not write outside
 // a cache. Each op checks its indices once per call, before its threads start (O(rows +

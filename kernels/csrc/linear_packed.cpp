@@ -575,7 +575,7 @@ inline __m512i broadcast4(const int8_t* p) {
 
 // An i6 quad (kI6QuadBytes at `quad`) -> its 4 vectors of u = q + 32, in the i8 layout.
 // The 16-bit shifts move bits across the two bytes of a lane; the masks keep each byte's own.
-inline void unpack_i6_quad(const uint8_t* quad, __m512i (&u)[4]) {
+PAGEDLLM_INLINE inline void unpack_i6_quad(const uint8_t* quad, __m512i (&u)[4]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   const __m512i a = _mm512_loadu_si512(quad), b = _mm512_loadu_si512(quad + 64);
   const __m512i c = _mm512_loadu_si512(quad + 128);
@@ -606,7 +606,7 @@ inline __m512 super_factors16(const void* base, int64_t groups, int64_t s) {
 // groups 2p and 2p + 1 of the super block, (m[l, n s + 2p], m[l, n s + 2p + 1]) with
 // n = 256 / G groups a super block.
 template <int G>
-inline void multiplier_pairs(const void* multipliers, int64_t s, __m512i (&pairs)[kSuper / G / 2]) {
+PAGEDLLM_INLINE inline void multiplier_pairs(const void* multipliers, int64_t s, __m512i (&pairs)[kSuper / G / 2]) {
   constexpr int64_t n = kSuper / G;
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   for (int p = 0; p < n / 2; ++p) {
@@ -628,7 +628,7 @@ inline __m512i dot_i16_pairs(__m512i acc, __m512i a, __m512i b) {
 // sum over the super block's groups g of m[l, g] * sums[g], lane l (exact int32): the
 // multiplier pairs against a row's group sums (super_sums<G>).
 template <int kPairs>
-inline __m512i pair_dot(const __m512i* pairs, const int16_t* sums) {
+PAGEDLLM_INLINE inline __m512i pair_dot(const __m512i* pairs, const int16_t* sums) {
   __m512i dot = _mm512_setzero_si512();
   for (int p = 0; p < kPairs; ++p) {
     int32_t pair;
@@ -643,7 +643,7 @@ inline __m512i pair_dot(const __m512i* pairs, const int16_t* sums) {
 // this super block (16 of 16 values, or 8 of 32; see multiplier_pairs), dk its
 // scale.
 template <int kPairs>
-inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf, const __m512i* min_pairs,
+PAGEDLLM_INLINE inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf, const __m512i* min_pairs,
                             __m512 mf, float dk, const int16_t* sums) {
   const __m512 d = _mm512_set1_ps(dk);
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_mul_ps(sf, d), acc);
@@ -862,7 +862,7 @@ inline __m256i broadcast4_avx2(const int8_t* p) {
 }
 
 // Half `half` (rows 8 half .. 8 half + 7) of an i6 quad -> its 4 vectors of signed q.
-inline void unpack_i6_quad_half(const uint8_t* quad, int half, __m256i (&q)[4]) {
+PAGEDLLM_INLINE inline void unpack_i6_quad_half(const uint8_t* quad, int half, __m256i (&q)[4]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   const __m256i offset = _mm256_set1_epi8(32);
   auto load = [&](int part) {
